@@ -1,0 +1,196 @@
+"""`ZeroConfig`: the one place where every option, its default and its validation live.
+
+The config is frozen and checked at construction, so an engine never starts from a
+contradictory set of options and nothing falls back silently to another stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+STAGES = (0, 1, 2, 3)
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+REDUCE_DTYPES = ("fp32", "compute")
+
+# Stage-3-only knobs use None as "not set", so that setting one for a lower stage can be
+# rejected instead of ignored. Their stage-3 defaults live here and nowhere else.
+STAGE3_DEFAULTS: dict[str, Any] = {
+    "unit_numel": 1_000_000,
+    "param_persistence_threshold": 100_000,
+    "prefetch": True,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossScaleConfig:
+    """Dynamic loss scaling for ``precision="16-mixed"`` (the knobs DeepSpeed users know)."""
+
+    initial_scale: float = 2.0**16
+    """Starting scale; a power of two so scaling and unscaling are exact."""
+    growth_interval: int = 1000
+    """Consecutive overflow-free steps after which the scale doubles."""
+    hysteresis: int = 2
+    """Overflowing steps tolerated before the scale is halved (the counter resets on growth)."""
+    min_scale: float = 1.0
+    """The scale never drops below this."""
+    static_scale: float | None = None
+    """A fixed scale; disables growth and backoff (overflowing steps are still skipped)."""
+
+    def __post_init__(self) -> None:
+        _check_power_of_two("loss_scale.initial_scale", self.initial_scale)
+        _check_positive_int("loss_scale.growth_interval", self.growth_interval)
+        _check_positive_int("loss_scale.hysteresis", self.hysteresis)
+        if not (isinstance(self.min_scale, (int, float)) and self.min_scale > 0):
+            raise ValueError(f"loss_scale.min_scale must be a number > 0, got {self.min_scale!r}")
+        if self.min_scale > self.initial_scale:
+            raise ValueError(
+                f"loss_scale.min_scale ({self.min_scale}) must be <= loss_scale.initial_scale "
+                f"({self.initial_scale})"
+            )
+        if self.static_scale is not None and not (
+            isinstance(self.static_scale, (int, float)) and self.static_scale > 0
+        ):
+            raise ValueError(
+                f"loss_scale.static_scale must be a number > 0 or None, got {self.static_scale!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """What the engine shards, where it keeps it and in which dtype.
+
+    stage 0 is plain data parallelism, 1 shards optimizer states, 2 also gradients,
+    3 also parameters (Rajbhandari et al., arXiv:1910.02054).
+    """
+
+    stage: int = 3
+    """ZeRO stage: 0, 1, 2 or 3."""
+    precision: str = "32-true"
+    """Lightning's precision names: "32-true", "bf16-mixed", "16-mixed", "bf16-true"."""
+    reduce_dtype: str = "fp32"
+    """Dtype gradients are communicated in: "fp32" or "compute" (the precision's compute dtype)."""
+    bucket_numel: int = 5_000_000
+    """Elements per communication bucket for stages 0-2 (and for stage 3's persistent params)."""
+    unit_numel: int | None = None
+    """Stage 3: a submodule becomes its own gather unit once it holds this many elements
+    not claimed by a smaller unit (default 1,000,000)."""
+    param_persistence_threshold: int | None = None
+    """Stage 3: parameters with fewer elements stay whole on every rank (default 100,000)."""
+    prefetch: bool | None = None
+    """Stage 3: gather the next unit while the current one computes (default True)."""
+    offload_optimizer: bool = False
+    """Keep the fp32 master shard and optimizer states in CPU memory and step there (stage >= 1)."""
+    offload_params: bool = False
+    """Stage 3: keep parameter shards in CPU memory between gathers."""
+    broadcast_buffers: bool = True
+    """Broadcast rank 0's module buffers at every forward, as DistributedDataParallel does."""
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """Dynamic loss scaling for "16-mixed" (ignored by no other precision: rejected if customised)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.loss_scale, dict):
+            object.__setattr__(self, "loss_scale", LossScaleConfig(**self.loss_scale))
+        self._check_choices()
+        self._check_sizes()
+        self._check_stage_consistency()
+
+    def _check_choices(self) -> None:
+        if isinstance(self.stage, bool) or self.stage not in STAGES:
+            raise ValueError(f"stage must be one of {STAGES}, got {self.stage!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(
+                f"reduce_dtype must be one of {REDUCE_DTYPES}, got {self.reduce_dtype!r}"
+            )
+        for name in ("offload_optimizer", "offload_params", "broadcast_buffers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.prefetch is not None and not isinstance(self.prefetch, bool):
+            raise ValueError(f"prefetch must be True, False or None, got {self.prefetch!r}")
+        if not isinstance(self.loss_scale, LossScaleConfig):
+            raise ValueError(
+                f"loss_scale must be a LossScaleConfig or a dict, got {type(self.loss_scale)!r}"
+            )
+
+    def _check_sizes(self) -> None:
+        _check_positive_int("bucket_numel", self.bucket_numel)
+        if self.unit_numel is not None:
+            _check_positive_int("unit_numel", self.unit_numel)
+        threshold = self.param_persistence_threshold
+        if threshold is not None and (
+            isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0
+        ):
+            raise ValueError(
+                f"param_persistence_threshold must be an int >= 0, got {threshold!r}"
+            )
+
+    def _check_stage_consistency(self) -> None:
+        if self.stage < 3:
+            for name in STAGE3_DEFAULTS:
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{name} applies to stage 3 only (parameters are not sharded at "
+                        f"stage {self.stage}); leave it unset or use stage=3"
+                    )
+            if self.offload_params:
+                raise ValueError(
+                    f"offload_params requires stage=3 (got stage={self.stage}): only stage 3 "
+                    "shards parameters; use offload_optimizer for stages 1-2"
+                )
+        if self.offload_optimizer and self.stage == 0:
+            raise ValueError(
+                "offload_optimizer requires stage >= 1 (stage 0 keeps no optimizer shard to "
+                "offload); allowed stages: 1, 2, 3"
+            )
+        if self.precision != "16-mixed" and self.loss_scale != LossScaleConfig():
+            raise ValueError(
+                f"loss_scale applies to precision='16-mixed' only, got precision="
+                f"{self.precision!r}"
+            )
+
+    def resolved(self, name: str) -> Any:
+        """A stage-3 knob with its default filled in (None below stage 3)."""
+        if name not in STAGE3_DEFAULTS:
+            raise KeyError(f"{name!r} is not a stage-3 option; options: {list(STAGE3_DEFAULTS)}")
+        if self.stage < 3:
+            return None
+        value = getattr(self, name)
+        return STAGE3_DEFAULTS[name] if value is None else value
+
+    def replace(self, **changes: Any) -> ZeroConfig:
+        """A copy with some fields changed, validated like a new config."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], *, source: str = "config") -> ZeroConfig:
+        """Build from plain data (YAML, Hydra); unknown keys are an error naming the key."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"{source}: unknown ZeroConfig key(s) {unknown}; allowed keys: {sorted(known)}"
+            )
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_power_of_two(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{name} must be a positive power of two, got {value!r}")
+    mantissa = float(value)
+    while mantissa >= 2.0:
+        mantissa /= 2.0
+    while mantissa < 1.0:
+        mantissa *= 2.0
+    if mantissa != 1.0:
+        raise ValueError(f"{name} must be a power of two (e.g. 65536.0), got {value!r}")

@@ -1,0 +1,299 @@
+"""`ZeroEngine`: a model and its optimizer, sharded across the ranks of a process group."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from .collectives import Communicator
+from .config import ZeroConfig
+from .hooks import HookSet
+from .memory import estimate_memory, storage_bytes
+from .optimizer import ShardedOptimizer
+from .plan import make_plan
+from .precision import LossScaler
+from .runtime import Runtime
+from .units import NamedParams, build_units
+
+
+class ZeroEngine:
+    """Trains ``model`` with ``optimizer`` under ZeRO ``config`` on every rank of ``process_group``.
+
+    ``optimizer`` is any elementwise torch optimizer built on the model's parameters; the
+    engine rebuilds it over this rank's shard and keeps reading hyperparameters from it, so
+    LR schedulers attached to it work unchanged.
+    """
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None,
+        *, process_group: Any = None,
+    ) -> None:
+        self.config = config if config is not None else ZeroConfig()
+        if not isinstance(self.config, ZeroConfig):
+            raise TypeError(f"config must be a ZeroConfig, got {type(self.config).__name__}")
+        self.comm = Communicator(process_group)
+        self.module = model
+        self.device = _single_device(model)
+        _check_backend(self.comm.backend, self.device)
+        self.plan = make_plan(self.config, self.comm.world_size)
+        managed, group_of = _managed_parameters(model, optimizer)
+        self.num_params = sum(p.numel() for _, p in managed)
+        self.user_optimizer = optimizer
+        self._prepare_unmanaged(model, {id(p) for _, p in managed})
+        self.units = build_units(model, managed, group_of, self.plan, self.comm, self.device)
+        self.optimizer = ShardedOptimizer(
+            optimizer, self.units, self.comm, self.plan.optimizer_shards
+        )
+        self.runtime = Runtime(self.units, self.comm, model, self.plan.prefetch)
+        self.hooks = HookSet()
+        self.hooks.install(self.units, self.runtime)
+        self.scaler = LossScaler(self.config.loss_scale) if self.plan.policy.scales_loss else None
+        self._unscaled = False
+        self.global_step = 0
+        self.skipped_steps = 0
+        self._buffers = [b for b in model.buffers() if b is not None]
+
+    # ------------------------------------------------------------------ setup helpers
+    def _prepare_unmanaged(self, model: nn.Module, managed_ids: set[int]) -> None:
+        """Frozen parameters and buffers stay whole: cast to the compute dtype, rank 0's copy."""
+        compute = self.plan.policy.compute_dtype
+        tensors = [p for p in model.parameters() if id(p) not in managed_ids]
+        tensors += [b for b in model.buffers() if b is not None]
+        with torch.no_grad():
+            for t in tensors:
+                if torch.is_floating_point(t) and t.dtype != compute:
+                    t.data = t.data.to(compute)
+        if tensors:
+            self.comm.broadcast_coalesced(tensors)
+
+    # ------------------------------------------------------------------ training API
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.runtime.begin_forward()
+        if self.plan.broadcast_buffers and self._buffers:
+            with torch.no_grad(), record_function("zero::broadcast_buffers"):
+                self.comm.broadcast_coalesced(self._buffers)
+        args, kwargs = self.plan.policy.cast_inputs(args, kwargs)
+        with record_function("zero::forward"):
+            return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Backward; outside ``no_sync()`` gradients are reduced while it runs."""
+        if self.scaler is not None:
+            loss = loss.float() * self.scaler.scale
+        with record_function("zero::backward"):
+            loss.backward(**kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, with no communication, until the context exits."""
+        previous = self.runtime.sync
+        self.runtime.sync = False
+        try:
+            yield
+        finally:
+            self.runtime.sync = previous
+
+    def _unscale(self) -> None:
+        if self.scaler is None or self._unscaled:
+            return
+        inv = 1.0 / self.scaler.scale
+        for g in self.optimizer.master_grads():
+            g.mul_(inv)
+        self._unscaled = True
+
+    def _require_reduced_grads(self, what: str) -> None:
+        if not self.runtime.grads_pending_step:
+            raise RuntimeError(
+                f"{what} needs reduced gradients: call engine.backward(loss) outside no_sync() "
+                "first (the last micro-batch of an accumulation window must synchronise)"
+            )
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the norm of the whole gradient (over all shards); returns that norm."""
+        self._require_reduced_grads("clip_grad_norm_")
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
+        self._unscale()
+        with record_function("zero::clip_grad_norm"):
+            return self.optimizer.clip_grad_norm_(max_norm, norm_type)
+
+    def get_global_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        self._require_reduced_grads("get_global_grad_norm")
+        self._unscale()
+        return self.optimizer.grad_norm(norm_type)
+
+    def _overflow(self) -> bool:
+        """All ranks agree: one collective over a local non-finite flag."""
+        local = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in self.optimizer.master_grads():
+            if not torch.isfinite(g).all():
+                local.fill_(1.0)
+                break
+        return bool(self.comm.all_reduce_max(local).item())
+
+    def step(self) -> bool:
+        """Optimizer step on this rank's shard, then propagate and zero gradients.
+
+        Returns False when the step was skipped because fp16 gradients overflowed.
+        """
+        self._require_reduced_grads("step")
+        self._unscale()
+        stepped = True
+        if self.scaler is not None:
+            overflow = self._overflow()
+            self.scaler.update(overflow)
+            stepped = not overflow
+        if stepped:
+            self.optimizer.step()
+            with record_function("zero::update_params"):
+                handles = [u.param_store.after_step(self.comm) for u in self.units]
+                for handle in handles:
+                    if handle is not None:
+                        handle.wait()
+            self.global_step += 1
+        else:
+            self.skipped_steps += 1
+        self.zero_grad()
+        return stepped
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            unit.zero_grad()
+        self.runtime.grads_pending_step = False
+        self.runtime.reshard_all()
+        self._unscaled = False
+
+    # ------------------------------------------------------------------ state
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The consolidated module state dict on every rank: same keys and shapes as
+        ``model.state_dict()``, managed parameters as their master (fp32) values, on CPU."""
+        values: dict[int, torch.Tensor] = {}
+        for unit in self.units:
+            flat = unit.param_store.gather_master(self.comm).cpu()
+            for slot, p in zip(unit.layout.slots, unit.params):
+                values[id(p)] = flat[slot.offset : slot.end].view(slot.shape).clone()
+        out = {}
+        for key, tensor in self.module.state_dict(keep_vars=True).items():
+            if id(tensor) in values:
+                out[key] = values[id(tensor)]
+            else:
+                out[key] = tensor.detach().cpu().clone()
+        return out
+
+    def memory_report(self) -> dict[str, int | float | str]:
+        """Model-state bytes this rank holds now, beside the ZeRO formula's prediction."""
+        seen: set[int] = set()
+        params = storage_bytes([t for u in self.units
+                                for t in u.param_store.held_tensors()["params"]], seen)
+        grads = storage_bytes([t for u in self.units for t in u.grad_store.held_tensors()], seen)
+        masters = [t for u in self.units for t in u.param_store.held_tensors()["master"]]
+        optim = storage_bytes(masters + self.optimizer.state_tensors(), seen)
+        predicted = self.predicted_memory()
+        padding = sum(u.layout.padded_numel - u.layout.numel for u in self.units)
+        total = params + grads + optim
+        return {
+            "stage": self.plan.stage,
+            "world_size": self.comm.world_size,
+            "rank": self.comm.rank,
+            "precision": self.plan.policy.name,
+            "num_params": self.num_params,
+            "padding_elements": padding,
+            "params_bytes": params,
+            "grads_bytes": grads,
+            "optimizer_bytes": optim,
+            "total_bytes": total,
+            "predicted_params_bytes": predicted.params_bytes,
+            "predicted_grads_bytes": predicted.grads_bytes,
+            "predicted_optimizer_bytes": predicted.optimizer_bytes,
+            "predicted_total_bytes": predicted.total_bytes,
+            "predicted_host_bytes": predicted.host_bytes,
+            "ratio_to_formula": total / predicted.total_bytes if predicted.total_bytes else 1.0,
+        }
+
+    def predicted_memory(self) -> Any:
+        return estimate_memory(
+            self.num_params, stage=self.plan.stage, world_size=self.comm.world_size,
+            precision=self.config.precision, optimizer_states=self.optimizer.states_per_param(),
+            reduce_dtype=self.config.reduce_dtype, offload_optimizer=self.config.offload_optimizer,
+            offload_params=self.config.offload_params,
+        )
+
+    def comm_bytes(self) -> dict[str, int]:
+        """Bytes this rank has sent so far, per collective."""
+        return self.comm.snapshot()
+
+    def train(self, mode: bool = True) -> ZeroEngine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> ZeroEngine:
+        return self.train(False)
+
+    def close(self) -> None:
+        """Remove every hook the engine installed on the model."""
+        self.hooks.remove()
+
+
+def _single_device(model: nn.Module) -> torch.device:
+    devices: dict[torch.device, str] = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        devices.setdefault(t.device, name)
+    if len(devices) > 1:
+        found = ", ".join(f"{d} (e.g. {n!r})" for d, n in devices.items())
+        raise ValueError(
+            f"the model's parameters and buffers must all be on one device, found: {found}; "
+            "move the model with model.to(device) before building the ZeroEngine"
+        )
+    if not devices:
+        raise ValueError("the model has no parameters or buffers: nothing to train")
+    device = next(iter(devices))
+    if device.type == "meta":
+        raise ValueError("the model is on the meta device: materialise it before the ZeroEngine")
+    return device
+
+
+def _check_backend(backend: str, device: torch.device) -> None:
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(
+            f"the process group uses nccl but the model is on {device}: move the model to "
+            "cuda, or use the gloo backend for CPU training"
+        )
+
+
+def _managed_parameters(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[NamedParams, dict[int, int]]:
+    """Trainable parameters (deduplicated, registration order) and their optimizer group."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    names = {id(p): n for n, p in model.named_parameters()}
+    group_of: dict[int, int] = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(
+                    f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} that "
+                    "is not a parameter of the model: build the optimizer on model.parameters()"
+                )
+            group_of[id(p)] = gi
+    managed = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    missing = [n for n, p in managed if id(p) not in group_of]
+    if missing:
+        raise ValueError(
+            f"trainable parameters missing from the optimizer: {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}; add them to the optimizer or freeze them "
+            "with requires_grad_(False)"
+        )
+    if not managed:
+        raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
+    return managed, group_of

@@ -1,0 +1,106 @@
+"""Where each parameter sits in a flat, padded buffer, and which slice each rank owns.
+
+Pure arithmetic, no tensors of the model and no communication: the unit classes and the
+checkpoint code both read the same layout, so a shard can be mapped back to parameter names
+on any world size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One parameter's place in the flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+    group: int
+    """Index of the optimizer param group the parameter belongs to."""
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of a slot that falls inside one rank's shard."""
+
+    slot: Slot
+    slot_start: int
+    """Offset inside the parameter (flattened)."""
+    shard_start: int
+    """Offset inside the shard."""
+    numel: int
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    slots: tuple[Slot, ...]
+    num_shards: int
+
+    @property
+    def numel(self) -> int:
+        return self.slots[-1].end if self.slots else 0
+
+    @property
+    def shard_numel(self) -> int:
+        # Padding to a multiple of the shard count keeps every collective equal-sized.
+        return max(1, -(-self.numel // self.num_shards))
+
+    @property
+    def padded_numel(self) -> int:
+        return self.shard_numel * self.num_shards
+
+    def shard_bounds(self, rank: int) -> tuple[int, int]:
+        start = rank * self.shard_numel
+        return start, start + self.shard_numel
+
+    def pieces(self, rank: int) -> list[Piece]:
+        """The parameters (or parts) rank ``rank`` owns, in flat order; padding excluded."""
+        lo, hi = self.shard_bounds(rank)
+        out = []
+        for slot in self.slots:
+            start, end = max(lo, slot.offset), min(hi, slot.end)
+            if start < end:
+                out.append(Piece(slot, start - slot.offset, start - lo, end - start))
+        return out
+
+    def group_segments(self, rank: int) -> list[tuple[int, int, int]]:
+        """(group, start, end) ranges inside the shard, one per optimizer group present.
+
+        Slots are ordered by group, so each group's part of a shard is contiguous and the
+        optimizer gets one tensor per group per unit rather than one per parameter.
+        """
+        segments: list[tuple[int, int, int]] = []
+        for piece in self.pieces(rank):
+            end = piece.shard_start + piece.numel
+            if segments and segments[-1][0] == piece.slot.group and segments[-1][2] == piece.shard_start:
+                segments[-1] = (piece.slot.group, segments[-1][1], end)
+            else:
+                segments.append((piece.slot.group, piece.shard_start, end))
+        return segments
+
+
+def make_layout(
+    entries: list[tuple[str, torch.Size, int]], num_shards: int
+) -> FlatLayout:
+    """Lay out ``(name, shape, group)`` entries, grouped by optimizer group (stable order)."""
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    ordered = sorted(enumerate(entries), key=lambda item: (item[1][2], item[0]))
+    slots = []
+    offset = 0
+    for _, (name, shape, group) in ordered:
+        numel = 1
+        for dim in shape:
+            numel *= int(dim)
+        slots.append(Slot(name, tuple(int(d) for d in shape), offset, numel, group))
+        offset += numel
+    return FlatLayout(tuple(slots), num_shards)

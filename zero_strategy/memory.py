@@ -1,0 +1,96 @@
+"""The ZeRO memory formula, per rank, and the engine's own accounting to compare against it.
+
+Per parameter, with p, g bytes for the compute copy of parameters and gradients and k bytes
+of optimizer state (fp32 master included when it is a separate copy), a rank holds
+stage 0: p + g + k, stage 1: p + g + k/N, stage 2: p + (g + k)/N, stage 3: (p + g + k)/N.
+fp32 Adam: (4, 4, 8); mixed-precision Adam: (2, 2, 12) as in the paper (g is 4 when
+gradients are reduced and held in fp32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .config import ZeroConfig
+from .precision import make_policy
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    num_params: int
+    stage: int
+    world_size: int
+    precision: str
+    param_bytes_per_param: int
+    grad_bytes_per_param: int
+    optimizer_bytes_per_param: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    device_bytes: int
+    host_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+    def as_dict(self) -> dict[str, int | str]:
+        out = asdict(self)
+        out["total_bytes"] = self.total_bytes
+        return out
+
+
+def estimate_memory(
+    num_params: int, *, stage: int, world_size: int, precision: str = "32-true",
+    optimizer_states: int = 2, reduce_dtype: str = "fp32", offload_optimizer: bool = False,
+    offload_params: bool = False,
+) -> MemoryEstimate:
+    """Model-state bytes one rank holds under the ZeRO formula (``optimizer_states``: state
+    tensors per parameter, 2 for Adam). Offloaded parts count as host bytes."""
+    if not isinstance(num_params, int) or num_params < 0:
+        raise ValueError(f"num_params must be an int >= 0, got {num_params!r}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if not isinstance(optimizer_states, int) or optimizer_states < 0:
+        raise ValueError(f"optimizer_states must be an int >= 0, got {optimizer_states!r}")
+    config = ZeroConfig(  # validates stage/precision/offload combinations with the same rules
+        stage=stage, precision=precision, reduce_dtype=reduce_dtype,
+        offload_optimizer=offload_optimizer, offload_params=offload_params,
+    )
+    policy = make_policy(config)
+    p = _size(policy.compute_dtype)
+    g = _size(policy.reduce_dtype)
+    separate_master = policy.separate_master or offload_optimizer or offload_params
+    k = optimizer_states * _size(policy.master_dtype)
+    k += _size(policy.master_dtype) if separate_master else 0
+    n = world_size
+    shard_p, shard_g, shard_k = stage >= 3, stage >= 2, stage >= 1
+    params = num_params * p // (n if shard_p else 1)
+    grads = num_params * g // (n if shard_g else 1)
+    optim = num_params * k // (n if shard_k else 1)
+    host = (optim if offload_optimizer else 0) + (params if offload_params else 0)
+    return MemoryEstimate(
+        num_params=num_params, stage=stage, world_size=n, precision=precision,
+        param_bytes_per_param=p, grad_bytes_per_param=g, optimizer_bytes_per_param=k,
+        params_bytes=params, grads_bytes=grads, optimizer_bytes=optim,
+        device_bytes=params + grads + optim - host, host_bytes=host,
+    )
+
+
+def storage_bytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
+    """Allocated bytes of the storages behind ``tensors``, each storage counted once."""
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if storage.nbytes() == 0 or key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total

@@ -1,0 +1,120 @@
+"""The user's optimizer, rebuilt over this rank's master shards.
+
+The inner optimizer is the same class with the same hyperparameters, given one tensor per
+(unit, param group) slice of the master shard. Elementwise optimizers (SGD, Adam, AdamW, ...)
+then compute exactly what they would on the whole parameters. The user's optimizer object
+stays the source of hyperparameters: LR schedulers attached to it keep working because its
+groups are copied onto the inner groups before every step.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from .collectives import Communicator
+from .units import Unit
+
+# How many parameter-sized state tensors each optimizer keeps (the ZeRO formula's K / 4 in
+# fp32). Used for the memory prediction before the first step has created any state.
+_STATES_PER_PARAM = {
+    "Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1, "Adadelta": 2,
+    "RMSprop": 1, "Rprop": 2, "ASGD": 2,
+}
+
+
+class ShardedOptimizer:
+    def __init__(self, user_optimizer: torch.optim.Optimizer, units: list[Unit],
+                 comm: Communicator, shards: int) -> None:
+        self.user = user_optimizer
+        self.units = units
+        self.comm = comm
+        self.shards = shards
+        self._segments: list[tuple[Unit, int, int, torch.Tensor]] = []
+        groups: list[list[torch.Tensor]] = [[] for _ in user_optimizer.param_groups]
+        for unit in units:
+            rank = comm.rank if shards > 1 else 0
+            for group, start, end in unit.layout.group_segments(rank):
+                view = unit.param_store.master[start:end]
+                groups[group].append(view)
+                self._segments.append((unit, start, end, view))
+        inner_groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": params}
+            for g, params in zip(user_optimizer.param_groups, groups)
+        ]
+        cls = type(user_optimizer)
+        accepted = inspect.signature(cls.__init__).parameters
+        defaults = {k: v for k, v in user_optimizer.defaults.items() if k in accepted}
+        self.inner = cls(inner_groups, **defaults)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups
+
+    def _sync_hyperparameters(self) -> None:
+        for user_group, inner_group in zip(self.user.param_groups, self.inner.param_groups):
+            for key, value in user_group.items():
+                if key != "params":
+                    inner_group[key] = value
+
+    def _attach_grads(self) -> None:
+        for unit, start, end, view in self._segments:
+            view.grad = unit.master_grad[start:end]
+
+    def step(self) -> None:
+        self._sync_hyperparameters()
+        self._attach_grads()
+        with record_function("zero::optimizer_step"):
+            self.inner.step()
+        for _, _, _, view in self._segments:
+            view.grad = None
+
+    def master_grads(self) -> list[torch.Tensor]:
+        return [unit.master_grad for unit in self.units]
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """Norm of the whole (reduced) gradient, from the shards every rank holds."""
+        norm_type = float(norm_type)
+        grads = self.master_grads()
+        device = grads[0].device if grads else torch.device("cpu")
+        if math.isinf(norm_type):
+            local = torch.stack([g.abs().max() for g in grads if g.numel()] or
+                                [torch.zeros((), device=device)]).max().float()
+            if self.shards > 1:
+                self.comm.all_reduce_max(local)
+            return local
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            local += torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type
+        if self.shards > 1:
+            self.comm.all_reduce(local)
+        return local ** (1.0 / norm_type)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        total = self.grad_norm(norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in self.master_grads():
+            g.mul_(coef.to(g.device, g.dtype))
+        return total
+
+    def states_per_param(self) -> int:
+        """Parameter-sized state tensors per parameter, measured once state exists."""
+        seg_numel = sum(v.numel() for *_, v in self._segments)
+        if self.inner.state and seg_numel:
+            sized = sum(
+                t.numel() for s in self.inner.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor) and t.dim() > 0
+            )
+            return round(sized / seg_numel)
+        name = type(self.user).__name__
+        if name == "SGD":
+            return 1 if self.user.defaults.get("momentum", 0) else 0
+        return _STATES_PER_PARAM.get(name, 2)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [t for s in self.inner.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor)]

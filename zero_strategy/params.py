@@ -1,0 +1,252 @@
+"""A unit's parameters: the compute copy the module sees, and the master shard the optimizer owns.
+
+Module parameters become views into one flat compute buffer per unit, set once at
+construction. Replicated stores keep that buffer for good (stages 0-2). The sharded store
+(stage 3) keeps only this rank's shard and gives the buffer's storage back between uses; the
+views stay valid across gathers because they alias the buffer's storage object, which is
+resized rather than replaced, so tensors saved for backward see the re-gathered values.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from . import offload
+from .collectives import Communicator, Handle
+from .flat import FlatLayout
+from .precision import PrecisionPolicy
+
+
+class ParamState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    UNSHARDED = "unsharded"
+
+
+class Placement:
+    """Where the master shard and (stage 3) the at-rest parameter shard live."""
+
+    def __init__(self, device: torch.device, offload_optimizer: bool, offload_params: bool):
+        self.device = device
+        self.offload_optimizer = offload_optimizer
+        self.offload_params = offload_params
+
+    def master_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.offload_optimizer:
+            return offload.host_empty(numel, dtype, self.device)
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def shard_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.offload_params:
+            return offload.host_empty(numel, dtype, self.device)
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+
+def _initial_flat(
+    params: list[nn.Parameter], layout: FlatLayout, dtype: torch.dtype, device: torch.device,
+    comm: Communicator,
+) -> torch.Tensor:
+    """The padded flat copy of the parameters' values, rank 0's values on every rank."""
+    flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+    with torch.no_grad():
+        for slot, p in zip(layout.slots, params):
+            flat[slot.offset : slot.end].copy_(p.detach().reshape(-1))
+    comm.broadcast(flat, src=0)
+    return flat
+
+
+def _point_params_at(params: list[nn.Parameter], layout: FlatLayout, full: torch.Tensor) -> None:
+    for slot, p in zip(layout.slots, params):
+        p.data = full[slot.offset : slot.end].view(slot.shape)
+
+
+class ParamStore(ABC):
+    """The compute copy (what forward reads) and the master shard (what the optimizer updates)."""
+
+    layout: FlatLayout
+    master: torch.Tensor
+    full: torch.Tensor
+    gathers: bool
+    """True when the compute copy must be gathered before the module runs (forward hooks)."""
+
+    def __init__(self, layout: FlatLayout, rank: int, policy: PrecisionPolicy):
+        self.layout = layout
+        self.rank = rank
+        self.policy = policy
+        self.bounds = layout.shard_bounds(rank)
+
+    @property
+    @abstractmethod
+    def state(self) -> ParamState:
+        """Whether the compute copy is whole on this rank right now."""
+
+    @abstractmethod
+    def start_unshard(self, comm: Communicator) -> None:
+        """Begin making the compute copy whole (asynchronously where it needs communication)."""
+
+    @abstractmethod
+    def finish_unshard(self) -> None:
+        """Block until the compute copy is whole."""
+
+    @abstractmethod
+    def reshard(self) -> None:
+        """Give back the memory of the whole compute copy where the layout allows it."""
+
+    @abstractmethod
+    def after_step(self, comm: Communicator) -> Handle | None:
+        """Propagate the updated master shard into the compute copy."""
+
+    @abstractmethod
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Tensors held now by category ("params", "master"), for memory accounting."""
+
+    def gather_master(self, comm: Communicator) -> torch.Tensor:
+        """The whole flat master copy (padded), assembled on every rank's compute device."""
+        device = self.full.device
+        src = self.master.to(device, copy=True)
+        if self.layout.num_shards == 1:
+            return src
+        out = torch.empty(self.layout.padded_numel, dtype=self.master.dtype, device=device)
+        comm.all_gather(out, src).wait()
+        return out
+
+
+class ReplicatedParams(ParamStore):
+    """Stages 0-2 (and stage 3's small persistent parameters): the compute copy is always whole.
+
+    Without a separate master (fp32, no offload) the optimizer updates a view of this rank's
+    slice of the compute buffer itself, so no second copy of the parameters exists.
+    """
+
+    gathers = False
+
+    def __init__(
+        self, params: list[nn.Parameter], layout: FlatLayout, rank: int,
+        policy: PrecisionPolicy, placement: Placement, comm: Communicator,
+    ) -> None:
+        super().__init__(layout, rank, policy)
+        flat = _initial_flat(params, layout, policy.master_dtype, placement.device, comm)
+        lo, hi = self.bounds
+        self.master_is_view = not (policy.separate_master or placement.offload_optimizer)
+        if self.master_is_view:
+            self.full = flat
+            self.master = flat[lo:hi]
+        else:
+            self.master = placement.master_empty(layout.shard_numel, policy.master_dtype)
+            self.master.copy_(flat[lo:hi])
+            self.full = flat.to(policy.compute_dtype)
+        _point_params_at(params, layout, self.full)
+
+    @property
+    def state(self) -> ParamState:
+        return ParamState.UNSHARDED
+
+    def start_unshard(self, comm: Communicator) -> None:
+        return None
+
+    def finish_unshard(self) -> None:
+        return None
+
+    def reshard(self) -> None:
+        return None
+
+    def after_step(self, comm: Communicator) -> Handle | None:
+        lo, hi = self.bounds
+        own = self.full[lo:hi]
+        if not self.master_is_view:
+            offload.copy_to(own, self.master)
+            offload.synchronize(own.device)
+        if self.layout.num_shards == 1:
+            return None
+        return comm.all_gather(self.full, own, async_op=True)
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"params": [self.full], "master": [] if self.master_is_view else [self.master]}
+
+
+class ShardedParams(ParamStore):
+    """Stage 3: only this rank's shard persists; the whole copy exists between gather and free."""
+
+    gathers = True
+
+    def __init__(
+        self, params: list[nn.Parameter], layout: FlatLayout, rank: int,
+        policy: PrecisionPolicy, placement: Placement, comm: Communicator,
+    ) -> None:
+        super().__init__(layout, rank, policy)
+        self.placement = placement
+        flat = _initial_flat(params, layout, policy.master_dtype, placement.device, comm)
+        lo, hi = self.bounds
+        self.shard = placement.shard_empty(layout.shard_numel, policy.compute_dtype)
+        self.shard.copy_(flat[lo:hi])
+        if policy.separate_master or placement.offload_optimizer or placement.offload_params:
+            self.master = placement.master_empty(layout.shard_numel, policy.master_dtype)
+            self.master.copy_(flat[lo:hi])
+        else:
+            self.master = self.shard
+        del flat
+        self.full = torch.empty(layout.padded_numel, dtype=policy.compute_dtype,
+                                device=placement.device)
+        self._full_nbytes = self.full.untyped_storage().nbytes()
+        _point_params_at(params, layout, self.full)
+        self._state = ParamState.UNSHARDED
+        self._handle: Handle | None = None
+        self._source: torch.Tensor | None = None
+        self.reshard()
+
+    @property
+    def state(self) -> ParamState:
+        return self._state
+
+    def _device_shard(self) -> torch.Tensor:
+        if not self.placement.offload_params:
+            return self.shard
+        # Offloaded shards are staged on the compute device just for the gather.
+        staged = torch.empty(self.shard.numel(), dtype=self.shard.dtype, device=self.full.device)
+        return offload.copy_to(staged, self.shard)
+
+    def start_unshard(self, comm: Communicator) -> None:
+        if self._state is not ParamState.SHARDED:
+            return
+        self.full.untyped_storage().resize_(self._full_nbytes)
+        self._source = self._device_shard()
+        self._handle = comm.all_gather(self.full, self._source, async_op=True)
+        self._state = ParamState.GATHERING
+
+    def finish_unshard(self) -> None:
+        if self._state is ParamState.GATHERING:
+            assert self._handle is not None
+            self._handle.wait()
+            self._handle = None
+            self._source = None
+            self._state = ParamState.UNSHARDED
+
+    def reshard(self) -> None:
+        self.finish_unshard()  # never free memory a collective is still writing
+        if self._state is ParamState.UNSHARDED:
+            self.full.untyped_storage().resize_(0)
+            self._state = ParamState.SHARDED
+
+    def after_step(self, comm: Communicator) -> Handle | None:
+        if self.master is not self.shard:
+            offload.copy_to(self.shard, self.master)
+            offload.synchronize(self.full.device)
+        return None
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        held: dict[str, list[torch.Tensor]] = {"params": [self.shard], "master": []}
+        if self._state is not ParamState.SHARDED:
+            held["params"].append(self.full)
+        if self.master is not self.shard:
+            held["master"].append(self.master)
+        return held
+
+
+PARAM_STORES: dict[str, type[ParamStore]] = {
+    "replicated": ReplicatedParams,
+    "sharded": ShardedParams,
+}
