@@ -121,7 +121,10 @@ def module_specs(
                 continue
             seen.add(id(child))
             pending += visit(f"{path}.{child_name}" if path else child_name, child)
-        if pending and (path == "" or sum(p.numel() for _, p in pending) >= unit_numel):
+        # Containers are never called, so their forward hooks would never gather.
+        callable_module = not isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        big = sum(p.numel() for _, p in pending) >= unit_numel
+        if pending and (path == "" or (callable_module and big)):
             specs.append(UnitSpec(path, module, pending, kind))
             return []
         return pending

@@ -1,0 +1,118 @@
+"""Run many distributed scenarios in one set of worker processes sharing one gloo group.
+
+A scenario module registers functions with ``@scenario`` (or ``register``); ``run_world``
+starts ``world_size`` workers like torchrun would, each runs every scenario in order on the
+same process group, and rank results come back as JSON. Tests then assert on the results, so
+spawning costs once per module and world size rather than once per assertion.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+SCENARIOS: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def register(name: str, fn: Callable[..., Any], **kwargs: Any) -> None:
+    if name in SCENARIOS:
+        raise ValueError(f"scenario {name!r} registered twice")
+    SCENARIOS[name] = (fn, kwargs)
+
+
+def scenario(fn: Callable[..., Any]) -> Callable[..., Any]:
+    register(fn.__name__, fn)
+    return fn
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(module_file: str, world_size: int, timeout: float = 500.0,
+              env: dict[str, str] | None = None) -> dict[str, list[Any]]:
+    """{scenario name: [result of rank 0, rank 1, ...]}; a failed scenario's result is
+    {"error": traceback}."""
+    out_dir = tempfile.mkdtemp(prefix="zs-world-")
+    port = str(_free_port())
+    procs = []
+    for rank in range(world_size):
+        worker_env = {
+            **os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            **(env or {}),
+        }
+        procs.append(subprocess.Popen(
+            [sys.executable, __file__, str(ROOT / module_file), out_dir],
+            env=worker_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            logs.append(p.communicate()[0])
+    results: dict[str, list[Any]] = {}
+    for rank in range(world_size):
+        path = Path(out_dir, f"rank{rank}.json")
+        if not path.exists():
+            raise RuntimeError(f"rank {rank} wrote no results; logs:\n" + "\n".join(
+                f"--- rank {r}\n{log[-6000:]}" for r, log in enumerate(logs)))
+        for name, value in json.loads(path.read_text()).items():
+            results.setdefault(name, []).append(value)
+    return results
+
+
+def _worker(module_file: str, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    spec = importlib.util.spec_from_file_location("scenarios", module_file)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rank = dist.get_rank()
+    results: dict[str, Any] = {}
+    path = Path(out_dir, f"rank{rank}.json")
+    for name, (fn, kwargs) in SCENARIOS.items():
+        dist.barrier()
+        try:
+            results[name] = fn(**kwargs)
+        except Exception:  # recorded per scenario; the test for it reports the traceback
+            results[name] = {"error": traceback.format_exc()}
+        path.write_text(json.dumps(results))  # partial results survive a later hang
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def check(result: list[Any]) -> list[Any]:
+    """The per-rank results of a scenario, failing with the worker's traceback if any."""
+    for rank, value in enumerate(result):
+        if isinstance(value, dict) and "error" in value:
+            raise AssertionError(f"rank {rank} failed:\n{value['error']}")
+    return result
+
+
+if __name__ == "__main__":
+    # Scenario modules import the registry as tests.harness: make that this module.
+    sys.modules["tests.harness"] = sys.modules["__main__"]
+    _worker(sys.argv[1], sys.argv[2])
