@@ -7,6 +7,8 @@ import os
 import torch
 from torch import nn
 
+import zero_strategy as zs
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -72,3 +74,29 @@ def loss_of(kind: str, model_or_engine, data: dict[str, torch.Tensor]) -> torch.
     if kind == "gpt2":
         return model_or_engine(input_ids=data["input_ids"], labels=data["labels"]).loss
     return nn.functional.mse_loss(model_or_engine(data["x"]), data["y"])
+
+
+STAGE3 = {
+    "mlp": {"unit_numel": 500, "param_persistence_threshold": 40},
+    "twice": {"unit_numel": 500, "param_persistence_threshold": 40},
+    "gpt2": {"unit_numel": 5000, "param_persistence_threshold": 100},
+}
+
+
+def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if name == "adamw":
+        # eps=1e-6 rather than 1e-8: GPT-2's attention key bias has a gradient that is exactly
+        # zero in exact arithmetic (softmax is shift-invariant), so what arrives is rounding
+        # noise (~1e-13) that differs with summation order; Adam scales it by 1/eps into
+        # lr-sized steps. With 1e-6 those elements stay within 1e-6 of DDP, the rest is AdamW.
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    vectors = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.SGD(
+        [{"params": matrices, "weight_decay": 1e-3}, {"params": vectors, "lr": 0.02}],
+        lr=0.05, momentum=0.9,
+    )
+
+
+def zero_config(kind: str, stage: int, **extra) -> zs.ZeroConfig:
+    return zs.ZeroConfig(stage=stage, **(STAGE3[kind] if stage == 3 else {}), **extra)

@@ -75,13 +75,14 @@ class FlatLayout:
     def group_segments(self, rank: int) -> list[tuple[int, int, int]]:
         """(group, start, end) ranges inside the shard, one per optimizer group present.
 
-        Slots are ordered by group, so each group's part of a shard is contiguous and the
-        optimizer gets one tensor per group per unit rather than one per parameter.
+        Slots are ordered by group, so each group's part of a shard is one range; it may span
+        alignment padding, which is zero with zero gradient and so stays zero under any
+        elementwise optimizer.
         """
         segments: list[tuple[int, int, int]] = []
         for piece in self.pieces(rank):
             end = piece.shard_start + piece.numel
-            if segments and segments[-1][0] == piece.slot.group and segments[-1][2] == piece.shard_start:
+            if segments and segments[-1][0] == piece.slot.group:
                 segments[-1] = (piece.slot.group, segments[-1][1], end)
             else:
                 segments.append((piece.slot.group, piece.shard_start, end))

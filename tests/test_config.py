@@ -1,0 +1,75 @@
+"""ZeroConfig validation: every bad value fails at construction, naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+import zero_strategy as zs
+from zero_strategy.config import STAGE3_DEFAULTS
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "allowed"),
+    [
+        ({"stage": 4}, "stage", "(0, 1, 2, 3)"),
+        ({"stage": -1}, "stage", "(0, 1, 2, 3)"),
+        ({"stage": "3"}, "stage", "(0, 1, 2, 3)"),
+        ({"stage": True}, "stage", "(0, 1, 2, 3)"),
+        ({"precision": "64-true"}, "precision", "32-true"),
+        ({"precision": "fp16"}, "precision", "16-mixed"),
+        ({"reduce_dtype": "fp8"}, "reduce_dtype", "fp32"),
+        ({"bucket_numel": 0}, "bucket_numel", "positive int"),
+        ({"bucket_numel": -5}, "bucket_numel", "positive int"),
+        ({"bucket_numel": 1.5}, "bucket_numel", "positive int"),
+        ({"stage": 3, "unit_numel": 0}, "unit_numel", "positive int"),
+        ({"stage": 3, "param_persistence_threshold": -1}, "param_persistence_threshold", ">= 0"),
+        ({"stage": 2, "unit_numel": 10}, "unit_numel", "stage 3 only"),
+        ({"stage": 1, "prefetch": True}, "prefetch", "stage 3 only"),
+        ({"stage": 2, "param_persistence_threshold": 5}, "param_persistence_threshold", "stage 3"),
+        ({"stage": 2, "offload_params": True}, "offload_params", "stage=3"),
+        ({"stage": 0, "offload_optimizer": True}, "offload_optimizer", "stage >= 1"),
+        ({"offload_optimizer": "yes"}, "offload_optimizer", "True or False"),
+        ({"loss_scale": {"initial_scale": 1000.0}, "precision": "16-mixed"},
+         "loss_scale.initial_scale", "power of two"),
+        ({"loss_scale": {"initial_scale": -2.0}, "precision": "16-mixed"},
+         "loss_scale.initial_scale", "power of two"),
+        ({"loss_scale": {"hysteresis": 0}, "precision": "16-mixed"}, "loss_scale.hysteresis", ""),
+        ({"loss_scale": {"static_scale": -1.0}, "precision": "16-mixed"},
+         "loss_scale.static_scale", "> 0"),
+        ({"loss_scale": {"min_scale": 0}, "precision": "16-mixed"}, "loss_scale.min_scale", "> 0"),
+        ({"loss_scale": {"growth_interval": 10}}, "loss_scale", "16-mixed"),
+    ],
+)
+def test_invalid_config_names_field(kwargs: dict, field: str, allowed: str) -> None:
+    with pytest.raises(ValueError) as err:
+        zs.ZeroConfig(**kwargs)
+    assert field in str(err.value) and allowed in str(err.value)
+
+
+def test_frozen_and_defaults() -> None:
+    cfg = zs.ZeroConfig(stage=3)
+    with pytest.raises(AttributeError):
+        cfg.stage = 2  # type: ignore[misc]
+    assert cfg.resolved("unit_numel") == STAGE3_DEFAULTS["unit_numel"]
+    assert zs.ZeroConfig(stage=3, prefetch=False).resolved("prefetch") is False
+    assert zs.ZeroConfig(stage=2).resolved("prefetch") is None
+    assert cfg.replace(stage=1).stage == 1
+    with pytest.raises(ValueError, match="stage"):
+        cfg.replace(stage=7)
+
+
+def test_from_dict_rejects_unknown_keys_naming_source() -> None:
+    with pytest.raises(ValueError, match=r"plugin.yaml: unknown ZeroConfig key\(s\) \['stag'\]"):
+        zs.ZeroConfig.from_dict({"stag": 3}, source="plugin.yaml")
+    cfg = zs.ZeroConfig.from_dict({"stage": 2, "precision": "16-mixed",
+                                   "loss_scale": {"initial_scale": 1024.0}})
+    assert cfg.loss_scale.initial_scale == 1024.0
+    assert zs.ZeroConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_engine_before_process_group_is_a_clear_error() -> None:
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        zs.ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), zs.ZeroConfig())

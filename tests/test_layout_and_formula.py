@@ -1,0 +1,59 @@
+"""Flat layout arithmetic and the ZeRO memory formula (no processes needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zero_strategy as zs
+from zero_strategy.flat import ALIGN_ELEMENTS, make_layout
+
+
+def test_layout_shards_cover_every_element_once() -> None:
+    entries = [("a", torch.Size([7, 3]), 0), ("b", torch.Size([5]), 1),
+               ("c", torch.Size([4, 4]), 0)]
+    for shards in (1, 2, 3, 5):
+        layout = make_layout(entries, shards)
+        assert layout.padded_numel % shards == 0 and layout.padded_numel >= layout.numel
+        assert [s.group for s in layout.slots] == [0, 0, 1]  # grouped by optimizer group
+        assert all(s.offset % ALIGN_ELEMENTS == 0 for s in layout.slots)
+        seen: dict[str, list[int]] = {s.name: [0] * s.numel for s in layout.slots}
+        for rank in range(shards):
+            for piece in layout.pieces(rank):
+                for i in range(piece.slot_start, piece.slot_start + piece.numel):
+                    seen[piece.slot.name][i] += 1
+            segs = layout.group_segments(rank)
+            assert len({g for g, _, _ in segs}) == len(segs)  # one segment per group
+        assert all(c == 1 for counts in seen.values() for c in counts)
+
+
+@pytest.mark.parametrize(
+    ("stage", "per_param"),
+    [(0, 16), (1, 4 + 4 + 8 / 4), (2, 4 + (4 + 8) / 4), (3, (4 + 4 + 8) / 4)],
+)
+def test_formula_fp32_adam(stage: int, per_param: float) -> None:
+    est = zs.estimate_memory(1_000_000, stage=stage, world_size=4)
+    assert est.total_bytes == pytest.approx(per_param * 1_000_000, abs=4)
+
+
+@pytest.mark.parametrize(
+    ("stage", "per_param"),
+    [(0, 16), (1, 2 + 2 + 12 / 8), (2, 2 + 14 / 8), (3, 16 / 8)],
+)
+def test_formula_mixed_precision_matches_paper(stage: int, per_param: float) -> None:
+    est = zs.estimate_memory(8_000_000, stage=stage, world_size=8, precision="bf16-mixed",
+                             reduce_dtype="compute")
+    assert est.total_bytes == pytest.approx(per_param * 8_000_000, abs=8)
+    assert (est.param_bytes_per_param, est.grad_bytes_per_param,
+            est.optimizer_bytes_per_param) == (2, 2, 12)
+
+
+def test_formula_offload_moves_optimizer_to_host() -> None:
+    est = zs.estimate_memory(1000, stage=2, world_size=2, offload_optimizer=True)
+    # fp32 offload keeps a separate master on the host: 4 (master) + 8 (Adam) per param / N
+    assert est.host_bytes == est.optimizer_bytes == 1000 * 12 // 2
+    assert est.device_bytes == 1000 * 4 + 1000 * 4 // 2
+    with pytest.raises(ValueError, match="offload_params"):
+        zs.estimate_memory(1000, stage=2, world_size=2, offload_params=True)
+    with pytest.raises(ValueError, match="world_size"):
+        zs.estimate_memory(1000, stage=2, world_size=0)
