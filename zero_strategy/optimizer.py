@@ -27,6 +27,27 @@ _STATES_PER_PARAM = {
 }
 
 
+# Group keys that choose a kernel rather than the math; the inner optimizer keeps its own.
+_IMPLEMENTATION_KEYS = {"params", "fused", "foreach", "capturable", "differentiable"}
+
+
+def _rebuild(cls: type[torch.optim.Optimizer], defaults: dict[str, Any],
+             groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """The same optimizer class over ``groups``; torch's fused kernel when the user left the
+    implementation unset (on CPU it is ~6x faster than the per-tensor loop, and the shard is
+    a handful of large tensors, its best case)."""
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {k: v for k, v in defaults.items() if k in accepted}
+    wants_default = kwargs.get("fused") is None and kwargs.get("foreach") is None
+    if "fused" in accepted and wants_default and not kwargs.get("differentiable"):
+        fused_groups = [{**g, "fused": True, "foreach": None} for g in groups]
+        try:
+            return cls(fused_groups, **{**kwargs, "fused": True})
+        except (RuntimeError, ValueError):  # dtype/device without a fused kernel
+            pass
+    return cls(groups, **kwargs)
+
+
 class ShardedOptimizer:
     def __init__(self, user_optimizer: torch.optim.Optimizer, units: list[Unit],
                  comm: Communicator, shards: int) -> None:
@@ -46,10 +67,7 @@ class ShardedOptimizer:
             {**{k: v for k, v in g.items() if k != "params"}, "params": params}
             for g, params in zip(user_optimizer.param_groups, groups)
         ]
-        cls = type(user_optimizer)
-        accepted = inspect.signature(cls.__init__).parameters
-        defaults = {k: v for k, v in user_optimizer.defaults.items() if k in accepted}
-        self.inner = cls(inner_groups, **defaults)
+        self.inner = _rebuild(type(user_optimizer), user_optimizer.defaults, inner_groups)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -58,7 +76,7 @@ class ShardedOptimizer:
     def _sync_hyperparameters(self) -> None:
         for user_group, inner_group in zip(self.user.param_groups, self.inner.param_groups):
             for key, value in user_group.items():
-                if key != "params":
+                if key not in _IMPLEMENTATION_KEYS:
                     inner_group[key] = value
 
     def _attach_grads(self) -> None:
