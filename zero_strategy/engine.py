@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.profiler import record_function
 
+from . import checkpoint, reshard
 from .collectives import Communicator
 from .config import ZeroConfig
 from .hooks import HookSet
@@ -42,6 +45,7 @@ class ZeroEngine:
         _check_backend(self.comm.backend, self.device)
         self.plan = make_plan(self.config, self.comm.world_size)
         managed, group_of = _managed_parameters(model, optimizer)
+        self.param_names = {id(p): n for n, p in managed}
         self.num_params = sum(p.numel() for _, p in managed)
         self.user_optimizer = optimizer
         self._prepare_unmanaged(model, {id(p) for _, p in managed})
@@ -187,6 +191,19 @@ class ZeroEngine:
             else:
                 out[key] = tensor.detach().cpu().clone()
         return out
+
+    def save_checkpoint(self, directory: str | os.PathLike, *, tag: str | None = None,
+                        client_state: dict[str, Any] | None = None) -> Path:
+        """Every rank writes its own shards of a new tag under ``directory`` (atomically)."""
+        with record_function("zero::save_checkpoint"):
+            return checkpoint.save(self, directory, tag=tag, client_state=client_state)
+
+    def load_checkpoint(self, directory: str | os.PathLike, *, tag: str | None = None,
+                        load_optimizer: bool = True) -> dict[str, Any] | None:
+        """Resume from a checkpoint written on any world size and stage; returns the client
+        state saved with it."""
+        with record_function("zero::load_checkpoint"):
+            return reshard.load(self, directory, tag=tag, load_optimizer=load_optimizer)
 
     def memory_report(self) -> dict[str, int | float | str]:
         """Model-state bytes this rank holds now, beside the ZeRO formula's prediction."""

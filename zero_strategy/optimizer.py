@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,6 +49,17 @@ def _rebuild(cls: type[torch.optim.Optimizer], defaults: dict[str, Any],
     return cls(groups, **kwargs)
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One optimizer tensor: the part of a unit's shard that belongs to one param group."""
+
+    unit: Unit
+    group: int
+    start: int
+    end: int
+    view: torch.Tensor
+
+
 class ShardedOptimizer:
     def __init__(self, user_optimizer: torch.optim.Optimizer, units: list[Unit],
                  comm: Communicator, shards: int) -> None:
@@ -55,14 +67,14 @@ class ShardedOptimizer:
         self.units = units
         self.comm = comm
         self.shards = shards
-        self._segments: list[tuple[Unit, int, int, torch.Tensor]] = []
+        self.segments: list[Segment] = []
         groups: list[list[torch.Tensor]] = [[] for _ in user_optimizer.param_groups]
         for unit in units:
             rank = comm.rank if shards > 1 else 0
             for group, start, end in unit.layout.group_segments(rank):
                 view = unit.param_store.master[start:end]
                 groups[group].append(view)
-                self._segments.append((unit, start, end, view))
+                self.segments.append(Segment(unit, group, start, end, view))
         inner_groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": params}
             for g, params in zip(user_optimizer.param_groups, groups)
@@ -80,16 +92,16 @@ class ShardedOptimizer:
                     inner_group[key] = value
 
     def _attach_grads(self) -> None:
-        for unit, start, end, view in self._segments:
-            view.grad = unit.master_grad[start:end]
+        for seg in self.segments:
+            seg.view.grad = seg.unit.master_grad[seg.start : seg.end]
 
     def step(self) -> None:
         self._sync_hyperparameters()
         self._attach_grads()
         with record_function("zero::optimizer_step"):
             self.inner.step()
-        for _, _, _, view in self._segments:
-            view.grad = None
+        for seg in self.segments:
+            seg.view.grad = None
 
     def master_grads(self) -> list[torch.Tensor]:
         return [unit.master_grad for unit in self.units]
@@ -121,7 +133,7 @@ class ShardedOptimizer:
 
     def states_per_param(self) -> int:
         """Parameter-sized state tensors per parameter, measured once state exists."""
-        seg_numel = sum(v.numel() for *_, v in self._segments)
+        seg_numel = sum(seg.view.numel() for seg in self.segments)
         if self.inner.state and seg_numel:
             sized = sum(
                 t.numel() for s in self.inner.state.values() for t in s.values()
