@@ -143,3 +143,25 @@ else:
     register("load_n1_stage0", load_elsewhere, stage=0)
     register("load_n1_stage3", load_elsewhere, stage=3)
     register("damaged", damaged)
+
+
+def big_and_gpt2() -> dict:
+    """Single process: a 67 MB model for the streaming test, and a tied GPT-2 for the CLI."""
+    torch.manual_seed(0)
+    big = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(16)])
+    engine = zs.ZeroEngine(big, torch.optim.AdamW(big.parameters(), lr=1e-4), zs.ZeroConfig(
+        stage=3))
+    engine.backward(engine(torch.randn(2, 1024)).square().mean())
+    engine.step()
+    engine.save_checkpoint(ROOT / "big")
+    gpt = _engine("gpt2", 2)
+    _run(gpt, "gpt2", _batches("gpt2", 1))
+    gpt.save_checkpoint(ROOT / "gpt2")
+    return {}
+
+
+if os.environ.get("ZS_BIG"):
+    from tests.harness import SCENARIOS
+
+    SCENARIOS.clear()
+    register("big", big_and_gpt2)

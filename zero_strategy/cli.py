@@ -1,0 +1,108 @@
+"""The ``zero-strategy`` console command: consolidate checkpoints, print the memory formula."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from .checkpoint import CheckpointError
+from .config import PRECISIONS
+from .memory import estimate_memory
+from .reshard import write_consolidated
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _parse_count(text: str) -> int:
+    """'124M', '1.5B', '7e9' or a plain integer."""
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}.get(text[-1:].lower())
+    try:
+        value = float(text[:-1]) * scale if scale else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a parameter count: {text!r} (e.g. 124M, 7B)") from None
+    if value < 0 or value != int(value):
+        raise argparse.ArgumentTypeError(f"parameter count must be a whole number >= 0: {text!r}")
+    return int(value)
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    dtype = _DTYPES[args.dtype] if args.dtype else None
+    out = write_consolidated(args.checkpoint, args.out, tag=args.tag, dtype=dtype)
+    print(f"wrote {out}")
+    return 0
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    offload_params = args.offload == "all"
+    offload_optimizer = args.offload in ("optimizer", "all")
+    rows = []
+    for stage in range(4):
+        try:
+            est = estimate_memory(
+                args.params, stage=stage, world_size=args.world_size, precision=args.precision,
+                optimizer_states=args.optimizer_states, reduce_dtype=args.reduce_dtype,
+                offload_optimizer=offload_optimizer and stage >= 1,
+                offload_params=offload_params and stage == 3,
+            )
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        rows.append((f"zero{stage}", est))
+    print(f"{args.params:,} parameters, {args.world_size} ranks, {args.precision}, "
+          f"offload={args.offload}: model-state bytes per rank (ZeRO formula)")
+    head = f"{'stage':<7}{'params':>12}{'grads':>12}{'optimizer':>12}{'device':>12}" \
+           f"{'host':>12}{'total':>12}"
+    print(head)
+    for name, est in rows:
+        if args.stage is not None and name == f"zero{args.stage}":
+            name += " *"
+        print(f"{name:<7}{_human(est.params_bytes):>12}{_human(est.grads_bytes):>12}"
+              f"{_human(est.optimizer_bytes):>12}{_human(est.device_bytes):>12}"
+              f"{_human(est.host_bytes):>12}{_human(est.total_bytes):>12}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zero-strategy", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("consolidate", help="write a checkpoint as one plain state_dict file")
+    c.add_argument("checkpoint", help="checkpoint directory (its 'latest' tag) or a tag directory")
+    c.add_argument("out", help="output file (.safetensors)")
+    c.add_argument("--tag", help="tag to read instead of 'latest'")
+    c.add_argument("--dtype", choices=sorted(_DTYPES), help="cast floating tensors")
+    c.set_defaults(func=_consolidate)
+    e = sub.add_parser("estimate", help="per-rank memory of every stage, by the ZeRO formula")
+    e.add_argument("--params", type=_parse_count, required=True, help="e.g. 124M, 7B")
+    e.add_argument("--world-size", type=int, required=True)
+    e.add_argument("--stage", type=int, choices=[0, 1, 2, 3],
+                   help="the stage you plan to run: marked with * (all stages are printed)")
+    e.add_argument("--precision", default="32-true", choices=PRECISIONS)
+    e.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "compute"])
+    e.add_argument("--optimizer-states", type=int, default=2, help="2 for Adam, 1 for SGD+momentum")
+    e.add_argument("--offload", default="none", choices=["none", "optimizer", "all"])
+    e.set_defaults(func=_estimate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
