@@ -92,8 +92,9 @@ def bad_input() -> dict:
         "foreign_param": lambda: zs.ZeroEngine(model, torch.optim.SGD(other.parameters(), lr=0.1)),
         "missing_param": lambda: zs.ZeroEngine(
             model, torch.optim.SGD(model.out.parameters(), lr=0.1)),
-        "two_devices": lambda: zs.ZeroEngine(_two_devices(), torch.optim.SGD(
-            [p for p in _two_devices().parameters()], lr=0.1)),
+        "two_devices": lambda: zs.ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                             device="meta"),
+        "meta_without_init": lambda: _meta_gpt2_engine(init=False),
         "not_optimizer": lambda: zs.ZeroEngine(model, "adam"),
     }
     for name, build in cases.items():
@@ -105,10 +106,64 @@ def bad_input() -> dict:
     return messages
 
 
-def _two_devices() -> torch.nn.Module:
-    model = MLP()
-    model.out.weight = torch.nn.Parameter(torch.empty(5, 33, device="meta"))
-    return model
+def _meta_gpt2_engine(init: bool = True) -> zs.ZeroEngine:
+    from tests.models import tiny_gpt2
+
+    with torch.device("meta"):
+        model = tiny_gpt2()
+    return zs.ZeroEngine(model, make_optimizer("adamw", model), zero_config("gpt2", 3),
+                         param_init_fn=model._init_weights if init else None)
+
+
+def _rss_mib(field: str) -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(field)
+
+
+def meta_init() -> dict:
+    """A 134 MB model built on the meta device never exists whole on any rank."""
+    def peak_of(build) -> float:
+        import gc
+
+        gc.collect()
+        open("/proc/self/clear_refs", "w").write("5")  # reset the RSS high-water mark
+        base = _rss_mib("VmRSS")
+        engine = build()
+        peak = _rss_mib("VmHWM") - base
+        engine.close()
+        return peak
+
+    def layers() -> torch.nn.Module:
+        return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(32)])
+
+    def meta_engine() -> zs.ZeroEngine:
+        with torch.device("meta"):
+            model = layers()
+        engine = zs.ZeroEngine(model, torch.optim.AdamW(model.parameters()), zs.ZeroConfig())
+        out["bound_ok"] = all(float(u.param_store.master.abs().max()) <= 1024**-0.5 + 1e-6
+                              for u in engine.units)
+        return engine
+
+    out: dict = {}
+    out["meta_peak_mib"] = peak_of(meta_engine)
+    out["real_peak_mib"] = peak_of(lambda: zs.ZeroEngine(
+        (m := layers()), torch.optim.AdamW(m.parameters()), zs.ZeroConfig()))
+    out["full_mib"] = 32 * (1024 * 1024 + 1024) * 4 / 2**20
+    gpt = _meta_gpt2_engine()
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(3):
+        loss = loss_of("gpt2", gpt, batch("gpt2", gen))
+        gpt.backward(loss)
+        gpt.step()
+        losses.append(loss.item())
+    full = gpt.full_state_dict()
+    out["gpt2_losses"] = losses
+    out["gpt2_tied"] = gpt.module.lm_head.weight is gpt.module.transformer.wte.weight
+    out["gpt2_checksum"] = float(sum(v.double().sum() for v in full.values()))
+    return out
 
 
 def no_sync_skips_communication(stage: int) -> dict:
@@ -141,3 +196,4 @@ if __import__("os").environ.get("WORLD_SIZE") == "2":
         register(f"no_sync_stage{_stage}", no_sync_skips_communication, stage=_stage)
     register("parity_stage3_no_prefetch", parity, kind="gpt2", stage=3, prefetch=False)
     register("bad_input", bad_input)
+    register("meta_init", meta_init)

@@ -16,6 +16,7 @@ from . import checkpoint, reshard
 from .collectives import Communicator
 from .config import ZeroConfig
 from .hooks import HookSet
+from .materialize import InitFn, Materializer, has_meta
 from .memory import estimate_memory, storage_bytes
 from .optimizer import ShardedOptimizer
 from .plan import make_plan
@@ -30,26 +31,36 @@ class ZeroEngine:
     ``optimizer`` is any elementwise torch optimizer built on the model's parameters; the
     engine rebuilds it over this rank's shard and keeps reading hyperparameters from it, so
     LR schedulers attached to it work unchanged.
+
+    A model built on the meta device is materialised on ``device`` (default: the current CUDA
+    device under nccl, else CPU) one unit at a time, each module initialised by
+    ``param_init_fn(module)`` (default ``module.reset_parameters()``), so no rank ever holds
+    the whole model; rank 0's initial values are broadcast either way.
     """
 
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None,
-        *, process_group: Any = None,
+        *, process_group: Any = None, device: torch.device | str | None = None,
+        param_init_fn: InitFn | None = None,
     ) -> None:
         self.config = config if config is not None else ZeroConfig()
         if not isinstance(self.config, ZeroConfig):
             raise TypeError(f"config must be a ZeroConfig, got {type(self.config).__name__}")
         self.comm = Communicator(process_group)
         self.module = model
-        self.device = _single_device(model)
+        self.device = _single_device(model, device, self.comm.backend)
         _check_backend(self.comm.backend, self.device)
+        materializer = Materializer(model, self.device, param_init_fn) if has_meta(model) else None
         self.plan = make_plan(self.config, self.comm.world_size)
         managed, group_of = _managed_parameters(model, optimizer)
         self.param_names = {id(p): n for n, p in managed}
         self.num_params = sum(p.numel() for _, p in managed)
         self.user_optimizer = optimizer
+        self.units = build_units(model, managed, group_of, self.plan, self.comm, self.device,
+                                 materializer)
+        if materializer is not None:
+            materializer.finish()
         self._prepare_unmanaged(model, {id(p) for _, p in managed})
-        self.units = build_units(model, managed, group_of, self.plan, self.comm, self.device)
         self.optimizer = ShardedOptimizer(
             optimizer, self.units, self.comm, self.plan.optimizer_shards
         )
@@ -259,22 +270,28 @@ class ZeroEngine:
         self.hooks.remove()
 
 
-def _single_device(model: nn.Module) -> torch.device:
+def _single_device(model: nn.Module, wanted: torch.device | str | None,
+                   backend: str) -> torch.device:
+    """The one device the model lives on (meta tensors are materialised there later)."""
     devices: dict[torch.device, str] = {}
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        devices.setdefault(t.device, name)
+        if not t.is_meta:
+            devices.setdefault(t.device, name)
+    if wanted is not None:
+        devices.setdefault(torch.device(wanted), "device=")
     if len(devices) > 1:
         found = ", ".join(f"{d} (e.g. {n!r})" for d, n in devices.items())
         raise ValueError(
             f"the model's parameters and buffers must all be on one device, found: {found}; "
             "move the model with model.to(device) before building the ZeroEngine"
         )
-    if not devices:
+    if devices:
+        return next(iter(devices))
+    if not any(True for _ in model.parameters()):
         raise ValueError("the model has no parameters or buffers: nothing to train")
-    device = next(iter(devices))
-    if device.type == "meta":
-        raise ValueError("the model is on the meta device: materialise it before the ZeroEngine")
-    return device
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _check_backend(backend: str, device: torch.device) -> None:

@@ -131,12 +131,20 @@ class ScatteredFullGrads(GradStore):
 
 class ShardedGrads(GradStore):
     """Stages 2-3: a full-size buffer exists only between the first local gradient and its
-    reduce-scatter; afterwards each rank holds just its reduced shard."""
+    reduce-scatter; afterwards each rank holds just its reduced shard (allocated at the first
+    reduction, so building the engine allocates no gradient memory)."""
 
     def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype, device: torch.device):
         super().__init__(layout, rank, dtype, device)
-        self.grad_shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        self._shard: torch.Tensor | None = None
         self.local: torch.Tensor | None = None
+
+    @property  # type: ignore[override]
+    def grad_shard(self) -> torch.Tensor:
+        if self._shard is None:
+            self._shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype,
+                                      device=self.device)
+        return self._shard
 
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
         if self.local is None:
@@ -146,7 +154,7 @@ class ShardedGrads(GradStore):
     def launch_reduce(self, comm: Communicator) -> None:
         if self.local is None:  # nothing reached this unit on this rank: contribute zeros
             self.local = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
-        out = torch.empty_like(self.grad_shard)
+        out = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
         self._pending = (comm.reduce_scatter(out, self.local, async_op=True), out)
 
     def finish_reduce(self, world_size: int) -> None:
@@ -156,10 +164,12 @@ class ShardedGrads(GradStore):
         self.local = None
 
     def zero(self) -> None:
-        self.grad_shard.zero_()
+        if self._shard is not None:
+            self._shard.zero_()
 
     def held_tensors(self) -> list[torch.Tensor]:
-        return [self.grad_shard] + ([self.local] if self.local is not None else [])
+        held = [t for t in (self._shard, self.local) if t is not None]
+        return held
 
 
 GRAD_STORES: dict[str, type[GradStore]] = {

@@ -16,6 +16,7 @@ from torch import nn
 from .collectives import Communicator
 from .flat import FlatLayout, make_layout
 from .grads import GRAD_STORES, GradStore
+from .materialize import Materializer
 from .offload import copy_to, host_empty
 from .params import PARAM_STORES, ParamStore, Placement
 from .plan import UnitKind, ZeroPlan
@@ -164,7 +165,7 @@ def plan_specs(model: nn.Module, managed: NamedParams, plan: ZeroPlan) -> list[U
 
 def build_units(
     model: nn.Module, managed: NamedParams, group_of: dict[int, int], plan: ZeroPlan,
-    comm: Communicator, device: torch.device,
+    comm: Communicator, device: torch.device, materializer: Materializer | None = None,
 ) -> list[Unit]:
     placement = Placement(device, plan.offload_optimizer, plan.offload_params)
     policy = plan.policy
@@ -175,6 +176,8 @@ def build_units(
         layout = make_layout(entries, plan.optimizer_shards)
         by_name = dict(spec.params)
         params = [by_name[slot.name] for slot in layout.slots]
+        if materializer is not None:  # only now: one unit's full values exist at a time
+            materializer.ensure(params)
         pstore = PARAM_STORES[spec.kind.params](
             params, layout, shard_rank, policy, placement, comm
         )
