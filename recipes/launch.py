@@ -1,0 +1,59 @@
+"""Runs one Hydra job as its own multi-process world and collects what it measured."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+HERE = Path(__file__).resolve().parent
+
+
+def job_dir() -> Path:
+    try:
+        return Path(HydraConfig.get().runtime.output_dir)
+    except ValueError:  # called outside a Hydra app (tests)
+        return Path.cwd()
+
+
+def run_job(cfg: DictConfig, out: Path | None = None) -> float:
+    out = out or job_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    config_file = out / "job.yaml"
+    OmegaConf.save(cfg, config_file, resolve=True)
+    nproc = int(cfg.trainer.devices)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node", str(nproc), str(HERE / "worker.py"), str(config_file)]
+    print(f"[{cfg.name}] {nproc} processes: {' '.join(cmd[2:])}", flush=True)
+    try:
+        proc = subprocess.run(cmd, env=env, timeout=int(cfg.trainer.timeout_s))
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        code = "timeout"
+    metrics_file = out / "metrics.json"
+    if code != 0 or not metrics_file.exists():
+        raise RuntimeError(f"job {cfg.name!r} failed (exit {code}); its output is above, its "
+                           f"config in {config_file}")
+    metrics = json.loads(metrics_file.read_text())
+    print(summary(metrics), flush=True)
+    return float(metrics.get("val_loss", float("nan")))
+
+
+def summary(m: dict) -> str:
+    mib = 2.0**20
+    lines = [f"[{m['name']}] {m['strategy']} x{m['world_size']}: "
+             f"loss {m['first_loss']:.3f} -> {m['train_loss']:.3f} (val {m['val_loss']:.3f}), "
+             f"{m['samples_per_s']:.1f} samples/s, {m['tokens_per_s']:.0f} tokens/s, "
+             f"{m['comm_bytes_per_step'] / mib:.2f} MiB sent/step/rank"]
+    for r in m["ranks"]:
+        lines.append(f"  rank {r['rank']}: peak RSS +{r['peak_rss_mib']:.0f} MiB, model states "
+                     f"{r['model_state_bytes'] / mib:.2f} MiB (ZeRO formula "
+                     f"{r['predicted_bytes'] / mib:.2f} MiB)")
+    return "\n".join(lines)

@@ -1,0 +1,132 @@
+"""What every recipe job measures: throughput, peak memory per rank beside the ZeRO formula,
+bytes communicated per step, first/final train loss and validation loss/accuracy."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+import zero_strategy as zs
+
+WARMUP_STEPS = 3  # the first steps pay for lazy allocation and are not timed
+
+
+def _status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class JobMetrics(L.Callback):
+    def __init__(self, cfg: Any, out: Path) -> None:
+        self.cfg, self.out = cfg, out
+        self.ddp_bytes = 0
+        self.samples = 0
+        self.timed_s = 0.0
+        self.first_loss: float | None = None
+        self._t: float | None = None
+        self._comm0 = 0
+
+    # ----------------------------------------------------------- DDP's byte counter
+    def _ddp_hook(self):  # noqa: ANN202
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        n = dist.get_world_size()
+
+        # No annotations on purpose: DDP rejects a `bucket` annotation that is not literally
+        # dist.GradBucket, and this module's annotations are strings.
+        def hook(state, bucket):  # noqa: ANN001, ANN202
+            self.ddp_bytes += int(2 * bucket.buffer().nbytes * (n - 1) / n)  # ring all-reduce
+            return allreduce_hook(state, bucket)
+
+        return hook
+
+    def _comm_total(self, trainer: L.Trainer) -> int:
+        engine = getattr(trainer.strategy, "engine", None)
+        return engine.comm_bytes()["total"] if engine is not None else self.ddp_bytes
+
+    # ----------------------------------------------------------- hooks
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = getattr(trainer.strategy, "model", None)
+        if isinstance(ddp, DistributedDataParallel):  # Lightning registers hooks on CUDA only
+            ddp.register_comm_hook(state=None, hook=self._ddp_hook())
+        try:  # reset the peak-RSS mark so it measures training, not imports and setup
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+        self.base_rss = _status_mib("VmRSS")
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any,
+                             idx: int) -> None:
+        if trainer.global_step == WARMUP_STEPS and self._t is None:
+            self._comm0 = self._comm_total(trainer)
+            self._steps0 = trainer.global_step
+        self._t = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any,
+                           batch: Any, idx: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        if self.first_loss is None and loss is not None:
+            self.first_loss = float(loss.detach().float())
+        if trainer.global_step > WARMUP_STEPS and self._t is not None:
+            self.timed_s += time.perf_counter() - self._t
+            first = next(iter(batch.values()))
+            self.samples += first.shape[0] * trainer.world_size
+
+    # ----------------------------------------------------------- the record
+    def _rank_record(self, trainer: L.Trainer, module: L.LightningModule) -> dict[str, Any]:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            report = engine.memory_report()
+            held, predicted = report["total_bytes"], report["predicted_total_bytes"]
+            num_params = engine.num_params
+        else:  # DDP: parameters, their gradients and the optimizer's states, all replicated
+            params = [p for p in module.parameters() if p.requires_grad]
+            num_params = sum(p.numel() for p in params)
+            states = [t for opt in trainer.optimizers for s in opt.state.values()
+                      for t in s.values() if isinstance(t, torch.Tensor)]
+            held = sum(2 * p.nbytes for p in params) + sum(t.nbytes for t in states)
+            predicted = zs.estimate_memory(num_params, stage=0, world_size=trainer.world_size,
+                                           precision=self.cfg.precision.name).total_bytes
+        return {"rank": trainer.global_rank, "peak_rss_mib": _status_mib("VmHWM") - self.base_rss,
+                "model_state_bytes": int(held), "predicted_bytes": int(predicted),
+                "num_params": int(num_params), "first_loss": self.first_loss,
+                "train_loss": float(trainer.callback_metrics.get("train_loss", float("nan")))}
+
+    def finish(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        ranks = [None] * trainer.world_size
+        dist.all_gather_object(ranks, self._rank_record(trainer, module))
+        if trainer.global_rank != 0:
+            return
+        steps = max(1, trainer.global_step - WARMUP_STEPS)
+        samples_per_s = self.samples / self.timed_s if self.timed_s else float("nan")
+        seq = int(self.cfg.model.get("seq_len", 0) or 0) if self.cfg.model.name != "resnet" else 0
+        cm = trainer.callback_metrics
+        record = {
+            "name": self.cfg.name, "strategy": self.cfg.strategy.name,
+            "stage": self.cfg.strategy.stage, "precision": self.cfg.precision.name,
+            "model": f"{self.cfg.model.name}-{self.cfg.model.size}",
+            "world_size": trainer.world_size, "steps": trainer.global_step,
+            "samples_per_s": samples_per_s, "tokens_per_s": samples_per_s * seq,
+            "comm_bytes_per_step": (self._comm_total(trainer) - self._comm0) / steps,
+            "first_loss": sum(r["first_loss"] for r in ranks) / len(ranks),
+            "train_loss": sum(r["train_loss"] for r in ranks) / len(ranks),
+            "val_loss": float(cm.get("val_loss", float("nan"))),
+            "val_acc": float(cm["val_acc"]) if "val_acc" in cm else None,
+            "num_params": ranks[0]["num_params"], "ranks": ranks,
+        }
+        tmp = self.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, self.out)

@@ -1,0 +1,109 @@
+"""Typed schemas for the Hydra config tree: every composed config is checked against these
+dataclasses, so a typo'd key, a wrong type or an unknown choice fails at compose time with the
+key named (``trainer.max_steps=abc``: "Value 'abc' could not be converted to Integer")."""
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, List, Optional  # noqa: UP035 (OmegaConf reads these)
+
+from hydra.core.config_store import ConfigStore
+
+
+class _Choice(str, Enum):
+    def __str__(self) -> str:  # interpolations (the job name) read "gpt", not "ModelName.gpt"
+        return str(self.value)
+
+
+class ModelName(_Choice):
+    gpt = "gpt"
+    bert = "bert"
+    resnet = "resnet"
+
+
+class ModelSize(_Choice):
+    tiny = "tiny"
+    small = "small"
+    base = "base"
+
+
+class DataKind(_Choice):
+    causal = "causal"
+    masked = "masked"
+    digits = "digits"
+
+
+@dataclass
+class ModelConf:
+    name: ModelName = ModelName.gpt
+    size: ModelSize = ModelSize.small
+    seq_len: int = 64
+    """Tokens per sequence (text models)."""
+    dropout: float = 0.0
+
+
+@dataclass
+class DataConf:
+    kind: DataKind = DataKind.causal
+    batch_size: int = 8
+    """Samples per process per micro-batch."""
+    vocab_size: int = 2048
+    """BPE vocabulary trained on the fly (text); 0 for images."""
+    image_size: int = 16
+    val_fraction: float = 0.1
+    seed: int = 0
+
+
+@dataclass
+class StrategyConf:
+    name: str = "zero3"
+    """A registered strategy: ddp, zero1, zero2, zero3, zero2_offload, zero3_offload."""
+    stage: Optional[int] = None  # noqa: UP045
+    """ZeRO stage (None for ddp)."""
+    zero: Dict[str, Any] = field(default_factory=dict)  # noqa: UP006
+    """Extra ZeroConfig fields (bucket_numel, unit_numel, offload_optimizer, ...)."""
+
+
+@dataclass
+class PrecisionConf:
+    name: str = "32-true"
+    """Lightning's precision name; checked against ZeroConfig's list before any process starts."""
+
+
+@dataclass
+class OptimConf:
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # noqa: UP006
+    warmup_fraction: float = 0.05
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class TrainerConf:
+    accelerator: str = "cpu"
+    devices: int = 2
+    max_steps: int = 300
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float = 1.0
+    val_check_interval: int = 100
+    limit_val_batches: int = 20
+    log_every_n_steps: int = 10
+    progress_bar: bool = True
+    seed: int = 0
+    timeout_s: int = 1800
+    """A job that runs longer is stopped and reported as failed."""
+
+
+@dataclass
+class Config:
+    model: ModelConf = field(default_factory=ModelConf)
+    data: DataConf = field(default_factory=DataConf)
+    strategy: StrategyConf = field(default_factory=StrategyConf)
+    precision: PrecisionConf = field(default_factory=PrecisionConf)
+    trainer: TrainerConf = field(default_factory=TrainerConf)
+    optim: OptimConf = field(default_factory=OptimConf)
+    name: str = "default"
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="base_config", node=Config)

@@ -1,0 +1,66 @@
+"""One process of a recipe job (started by launch.py under torch.distributed.run).
+
+Builds the data, the model and the Lightning Trainer from the job's resolved config and
+trains; rank 0 writes the job's measurements to ``metrics.json`` beside the config.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from omegaconf import OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from metrics import JobMetrics  # noqa: E402
+from models import RecipeData, RecipeModule  # noqa: E402
+
+
+def make_strategy(cfg: Any) -> Any:
+    if cfg.strategy.name == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy()  # bytes are counted by a comm hook JobMetrics installs
+    from zero_strategy.lightning import ZeroStrategy
+
+    return ZeroStrategy(stage=cfg.strategy.stage, **dict(cfg.strategy.zero))
+
+
+def main(config_file: str) -> None:
+    cfg = OmegaConf.load(config_file)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
+    data = RecipeData(OmegaConf.to_container(cfg.data), OmegaConf.to_container(cfg.model))
+    module = RecipeModule(OmegaConf.to_container(cfg.model), OmegaConf.to_container(cfg.optim),
+                          vocab_size=int(cfg.data.vocab_size),
+                          max_steps=int(cfg.trainer.max_steps))
+    metrics = JobMetrics(cfg, Path(config_file).parent / "metrics.json")
+    callbacks: list[L.Callback] = [metrics]
+    if cfg.trainer.progress_bar:
+        from lightning.pytorch.callbacks import RichProgressBar
+
+        callbacks.append(RichProgressBar(leave=True))
+    trainer = L.Trainer(
+        accelerator=cfg.trainer.accelerator, devices=int(cfg.trainer.devices),
+        strategy=make_strategy(cfg), precision=cfg.precision.name,
+        max_steps=int(cfg.trainer.max_steps),
+        accumulate_grad_batches=int(cfg.trainer.accumulate_grad_batches),
+        gradient_clip_val=float(cfg.trainer.gradient_clip_val),
+        val_check_interval=int(cfg.trainer.val_check_interval), check_val_every_n_epoch=None,
+        limit_val_batches=int(cfg.trainer.limit_val_batches),
+        log_every_n_steps=int(cfg.trainer.log_every_n_steps),
+        enable_progress_bar=bool(cfg.trainer.progress_bar), enable_checkpointing=False,
+        enable_model_summary=True, logger=False, callbacks=callbacks,
+        default_root_dir=str(Path(config_file).parent),
+    )
+    trainer.fit(module, datamodule=data)
+    metrics.finish(trainer, module)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
