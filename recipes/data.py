@@ -66,7 +66,8 @@ class MaskedChunks(Dataset):
     random token, 10 % stay unchanged (Devlin et al.). [CLS] ... [SEP] framing."""
 
     def __init__(self, chunks: torch.Tensor, vocab_size: int, seed: int, mask_prob: float = 0.15):
-        self.chunks, self.vocab_size, self.seed, self.mask_prob = chunks, vocab_size, seed, mask_prob
+        self.chunks, self.vocab_size = chunks, vocab_size
+        self.seed, self.mask_prob = seed, mask_prob
         self.cls, self.sep, self.mask = (SPECIAL.index(t) for t in ("[CLS]", "[SEP]", "[MASK]"))
 
     def __len__(self) -> int:
