@@ -85,7 +85,10 @@ def _worker(module_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    backend = os.environ.get("ZS_BACKEND", "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    dist.init_process_group(backend, timeout=timedelta(seconds=120))
     spec = importlib.util.spec_from_file_location("scenarios", module_file)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)

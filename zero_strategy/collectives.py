@@ -13,6 +13,11 @@ import torch
 import torch.distributed as dist
 
 
+# torch 2.13 renamed the flat collectives; older releases (>= 2.4) only have the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class Handle(Protocol):
     def wait(self) -> object: ...
 
@@ -67,9 +72,7 @@ class Communicator:
     ) -> Handle:
         """Sum ``flat_input`` over ranks; rank r receives the r-th equal slice in ``output``."""
         self._count("reduce_scatter", flat_input.nbytes * self._fraction())
-        work = dist.reduce_scatter_tensor(
-            output, flat_input, group=self.group, async_op=async_op
-        )
+        work = _reduce_scatter(output, flat_input, group=self.group, async_op=async_op)
         return work if async_op else _Done()
 
     def all_gather(
@@ -77,9 +80,7 @@ class Communicator:
     ) -> Handle:
         """Concatenate every rank's ``shard`` into ``flat_output`` (rank order)."""
         self._count("all_gather", flat_output.nbytes * self._fraction())
-        work = dist.all_gather_into_tensor(
-            flat_output, shard, group=self.group, async_op=async_op
-        )
+        work = _all_gather(flat_output, shard, group=self.group, async_op=async_op)
         return work if async_op else _Done()
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
