@@ -18,6 +18,12 @@ from .hooks import queue_end_of_backward, register_pre_backward
 from .units import Unit
 
 
+# Reductions in flight at once. Each holds a unit's full-size local gradient buffer until it
+# completes, so the window bounds stage 2/3's transient gradient memory to a few units while
+# still overlapping communication with the rest of backward.
+MAX_INFLIGHT_REDUCTIONS = 2
+
+
 class Runtime:
     def __init__(self, units: list[Unit], comm: Communicator, root: torch.nn.Module,
                  prefetch: bool) -> None:
@@ -99,6 +105,8 @@ class Runtime:
             with record_function("zero::reduce"):
                 unit.grad_store.launch_reduce(self.comm)
             self._launched.append(unit)
+            while len(self._launched) > MAX_INFLIGHT_REDUCTIONS:
+                self._finish(self._launched.pop(0))
         # Every use of the unit's parameters is behind us once all their gradients arrived.
         unit.param_store.reshard()
 
@@ -110,13 +118,15 @@ class Runtime:
                     self._complete(unit)
                 unit.reduced_this_pass = False
             for unit in self._launched:
-                unit.grad_store.finish_reduce(self.comm.world_size)
-                unit.prepare_master_grad()
-            if self._launched:
-                self.grads_pending_step = True
+                self._finish(unit)
             self._launched = []
             self.reshard_all()
             self._callback_queued = False
+
+    def _finish(self, unit: Unit) -> None:
+        unit.grad_store.finish_reduce(self.comm.world_size)
+        unit.prepare_master_grad()
+        self.grads_pending_step = True
 
     # ---------------------------------------------------------------- step
     def reshard_all(self) -> None:
