@@ -17,7 +17,6 @@ from .collectives import Communicator
 from .hooks import queue_end_of_backward, register_pre_backward
 from .units import Unit
 
-
 # Reductions in flight at once. Each holds a unit's full-size local gradient buffer until it
 # completes, so the window bounds stage 2/3's transient gradient memory to a few units while
 # still overlapping communication with the rest of backward.

@@ -1,0 +1,256 @@
+"""An ordinary Accelerate training loop, trained with ZeRO by swapping in ``ZeroAccelerator``.
+
+    ZERO_STRATEGY_CONFIG=conf/accelerate/zero3.yaml \\
+        accelerate launch --config_file conf/accelerate/multi_process.yaml \\
+        recipes/accelerate_train.py --model gpt2 --steps 50
+
+    # the same loop under plain Accelerate DDP, for comparison
+    accelerate launch --config_file conf/accelerate/multi_process.yaml \\
+        recipes/accelerate_train.py --mode ddp --model gpt2 --steps 50
+
+The ZeRO options come from ``--zero-config`` or ``$ZERO_STRATEGY_CONFIG`` (a YAML of
+ZeroConfig fields), overridden by ``--zero-opt key=value``. ``--save-at K --save-dir D`` saves
+the state after K optimizer steps; ``--resume D`` loads it and continues where it stopped.
+``--out DIR`` writes each rank's losses, gradient norms and (rank 0) final weights as JSON.
+Models: a tiny GPT-2 on the help text that ships with Python (``--model gpt2``, needs
+transformers) or a small MLP on synthetic regression data (``--model mlp``, used by the tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from accelerate import Accelerator
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--mode", choices=["zero", "ddp"], default="zero")
+    p.add_argument("--zero-config", default=None,
+                   help="plugin YAML (default: $ZERO_STRATEGY_CONFIG)")
+    p.add_argument("--zero-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one ZeroConfig field in code (value parsed as YAML)")
+    p.add_argument("--model", choices=["gpt2", "mlp"], default="gpt2")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    p.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")
+    p.add_argument("--batch", type=int, default=4, help="samples per rank per micro-batch")
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--save-at", type=int, default=None, help="save_state after this many steps")
+    p.add_argument("--save-dir", default=None)
+    p.add_argument("--resume", default=None, help="load_state from this folder and continue")
+    p.add_argument("--out", default=None, help="folder for per-rank JSON results")
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------ models and data
+class Output(dict):
+    """A dict with attribute access, like transformers' ModelOutput: ``model(**batch).loss``."""
+
+    __getattr__ = dict.__getitem__
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int = 16, hidden: int = 64, d_out: int = 8) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(), nn.Linear(hidden, hidden),
+                                 nn.GELU(), nn.LayerNorm(hidden), nn.Linear(hidden, d_out))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> Output:
+        logits = self.net(x)
+        return Output(logits=logits, loss=nn.functional.mse_loss(logits, labels))
+
+
+class Regression(Dataset):
+    """Targets 3x a fixed linear map: gradients large enough that clipping at 1.0 engages."""
+
+    def __init__(self, n: int) -> None:
+        gen = torch.Generator().manual_seed(1)
+        self.x = torch.randn(n, 16, generator=gen)
+        self.y = 3.0 * self.x @ torch.randn(16, 8, generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class HelpText(Dataset):
+    """Consecutive 64-byte windows of the English help topics in ``pydoc_data`` (vocab 256)."""
+
+    def __init__(self, n: int, seq: int = 64) -> None:
+        from pydoc_data.topics import topics
+
+        text = "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+        data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+        self.windows = data[: n * seq].view(n, seq)
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.windows[i], "labels": self.windows[i]}
+
+
+def build(args: argparse.Namespace, num_samples: int) -> tuple[nn.Module, Dataset]:
+    torch.manual_seed(0)  # same initial weights on every rank and in every mode
+    if args.model == "mlp":
+        return MLP(), Regression(num_samples)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                        bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config), HelpText(num_samples)
+
+
+def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """Two groups, as real recipes have: no weight decay on biases and norm weights."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr)
+
+
+class Progress:
+    """Optimizer steps done; checkpointed with the state so a resume knows what to skip."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.steps = int(state["steps"])
+
+
+# ------------------------------------------------------------------------------ training
+def reduction_bytes(accelerator: Accelerator) -> int:
+    """Bytes this rank has sent reducing gradients so far (ZeroAccelerator only, else 0):
+    shows that accumulate() skips the reduction on non-final micro-batches."""
+    engine = getattr(accelerator, "engine", None)  # after prepare(); plain Accelerate has none
+    if engine is None:
+        return 0
+    sent = engine.comm_bytes()
+    return sent.get("reduce_scatter", 0) + sent.get("all_reduce", 0)
+
+
+def make_accelerator(args: argparse.Namespace) -> Accelerator:
+    if args.mode == "ddp":
+        # Plain Accelerate needs cpu=True to become distributed in a multi-process CPU launch.
+        return Accelerator(gradient_accumulation_steps=args.accum,
+                           cpu=not torch.cuda.is_available())
+    from zero_strategy.accelerate import ZeroAccelerator, ZeroPlugin
+
+    overrides = {}
+    for item in args.zero_opt:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--zero-opt expects KEY=VALUE, got {item!r}")
+        overrides[key] = yaml.safe_load(value)
+    plugin = ZeroPlugin.from_config(args.zero_config, **overrides)
+    return ZeroAccelerator(gradient_accumulation_steps=args.accum, zero_plugin=plugin)
+
+
+def evaluate(accelerator: Accelerator, model: nn.Module, dataset: Dataset, batch: int) -> float:
+    """Mean loss over the dataset, all ranks' batches gathered (a data loader prepared alone)."""
+    loader = accelerator.prepare(DataLoader(dataset, batch_size=batch))
+    model.eval()
+    losses = []
+    with torch.no_grad():
+        for data in loader:
+            losses.append(accelerator.gather_for_metrics(model(**data).loss.reshape(1)))
+    model.train()
+    return torch.cat(losses).mean().item()
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    accelerator = make_accelerator(args)
+    num_samples = args.steps * args.accum * args.batch * accelerator.num_processes
+    model, dataset = build(args, num_samples)
+    initial = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    optimizer = make_optimizer(model, args.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.05 * s))
+    loader = DataLoader(dataset, batch_size=args.batch, shuffle=False)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    progress = Progress()
+    accelerator.register_for_checkpointing(progress)
+    if args.resume:
+        accelerator.load_state(args.resume)
+        loader = accelerator.skip_first_batches(loader, progress.steps * args.accum)
+    record: dict[str, Any] = {"start_step": progress.steps, "losses": [], "norms": [], "lrs": [],
+                              "reduced": [], "skipped": []}
+    sent = reduction_bytes(accelerator)
+
+    model.train()
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                norm = accelerator.clip_grad_norm_(model.parameters(), args.clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        record["losses"].append(loss.item())
+        record["reduced"].append(reduction_bytes(accelerator) - sent)
+        sent += record["reduced"][-1]
+        if accelerator.sync_gradients:
+            progress.steps += 1
+            record["norms"].append(float(norm))
+            record["lrs"].append(scheduler.get_last_lr()[0])
+            record["skipped"].append(accelerator.optimizer_step_was_skipped)  # fp16 overflow
+            if progress.steps == args.save_at:
+                accelerator.save_state(args.save_dir)
+
+    record["eval_loss"] = evaluate(accelerator, model, dataset, args.batch)
+    record.update(summarize(accelerator, model, initial))
+    record["steps"] = progress.steps
+    if accelerator.is_main_process:
+        last = record["losses"][-1] if record["losses"] else float("nan")
+        accelerator.print(f"{args.mode}: {progress.steps} steps, final loss {last:.4f}")
+    return record
+
+
+def summarize(accelerator: Accelerator, model: nn.Module,
+              initial: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """How the run was set up, how far the weights moved, and (rank 0) the final weights."""
+    state = accelerator.get_state_dict(model)  # on every rank: the ZeRO one is a collective
+    state = {k: v.detach().float().cpu() for k, v in state.items()}
+    moved = sum((state[k] - v.float()).norm() ** 2 for k, v in initial.items()) ** 0.5
+    zero_config = getattr(accelerator, "zero_config", None)
+    summary = {
+        "rank": accelerator.process_index, "num_processes": accelerator.num_processes,
+        "distributed_type": str(accelerator.distributed_type), "device": str(accelerator.device),
+        "mixed_precision": accelerator.mixed_precision,
+        "zero_config": zero_config.to_dict() if zero_config is not None else None,
+        "unwrapped": type(accelerator.unwrap_model(model)).__name__,
+        "grad_scaler": accelerator.scaler is not None,
+        "moved": float(moved / sum(v.float().norm() ** 2 for v in initial.values()) ** 0.5),
+    }
+    if accelerator.is_main_process:
+        summary["weights"] = {k: v.flatten().tolist() for k, v in state.items()}
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    record = train(args)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"rank{record['rank']}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
