@@ -12,7 +12,6 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-
 # torch 2.13 renamed the flat collectives; older releases (>= 2.4) only have the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
