@@ -115,8 +115,9 @@ def test_bad_input_messages(world2: dict) -> None:
 def test_meta_device_init_never_holds_the_full_model(world2: dict) -> None:
     results = check(world2["meta_init"])
     for r in results:
-        # stage 3, N=2: the shard is half the model; one 4 MB unit exists whole at a time
-        assert r["meta_peak_mib"] < 0.6 * r["full_mib"], r
+        # stage 3, N=2: the shard is half the model; one 4 MB unit exists whole at a time.
+        # Compared with the same model built whole, measured the same way in the same process.
+        assert r["meta_peak_mib"] < 0.7 * r["real_peak_mib"], r
         assert r["real_peak_mib"] > 0.95 * r["full_mib"], "the measurement cannot tell"
         assert r["bound_ok"], "meta-initialised weights are not nn.Linear's init"
         assert r["gpt2_tied"] and all(x == x and x < 10 for x in r["gpt2_losses"])

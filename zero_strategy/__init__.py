@@ -1,10 +1,13 @@
 """zero_strategy: ZeRO (arXiv:1910.02054) from scratch on torch.distributed."""
 
+from ._registration import install as _install_strategy_names
 from .checkpoint import CheckpointError
 from .config import LossScaleConfig, ZeroConfig
 from .engine import ZeroEngine
 from .memory import MemoryEstimate, estimate_memory
 from .reshard import consolidate, write_consolidated
+
+_install_strategy_names()  # zero1 ... zero3_offload for Lightning's Trainer and Fabric
 
 __all__ = [
     "CheckpointError", "LossScaleConfig", "MemoryEstimate", "ZeroConfig", "ZeroEngine",

@@ -30,6 +30,12 @@ def _parse_count(text: str) -> int:
 
 def _consolidate(args: argparse.Namespace) -> int:
     dtype = _DTYPES[args.dtype] if args.dtype else None
+    if str(args.out).endswith(".ckpt"):  # a Lightning checkpoint, for load_from_checkpoint
+        from .lightning import consolidate_checkpoint
+
+        consolidate_checkpoint(args.checkpoint, args.out, tag=args.tag, dtype=dtype)
+        print(f"wrote {args.out}")
+        return 0
     out = write_consolidated(args.checkpoint, args.out, tag=args.tag, dtype=dtype)
     print(f"wrote {out}")
     return 0
@@ -78,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("consolidate", help="write a checkpoint as one plain state_dict file")
     c.add_argument("checkpoint", help="checkpoint directory (its 'latest' tag) or a tag directory")
-    c.add_argument("out", help="output file (.safetensors)")
+    c.add_argument("out", help="output file: .safetensors (a plain state_dict), or .ckpt for "
+                   "LightningModule.load_from_checkpoint (needs a ZeroStrategy checkpoint)")
     c.add_argument("--tag", help="tag to read instead of 'latest'")
     c.add_argument("--dtype", choices=sorted(_DTYPES), help="cast floating tensors")
     c.set_defaults(func=_consolidate)

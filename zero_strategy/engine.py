@@ -174,6 +174,9 @@ class ZeroEngine:
                     if handle is not None:
                         handle.wait()
             self.global_step += 1
+            # torch's LR schedulers warn unless the optimizer they wrap was stepped; the
+            # engine steps its inner copy, so record the step on the user's object.
+            self.user_optimizer._opt_called = True  # type: ignore[attr-defined]
         else:
             self.skipped_steps += 1
         self.zero_grad()

@@ -1,0 +1,140 @@
+"""Fabric scenarios for tests/test_fabric.py, run inside tests/lightning_run.py's processes.
+
+Each strategy trains the same MLP on the same per-rank batches as ``Fabric(strategy="ddp")``:
+accumulation 2 through ``no_backward_sync``, ``clip_gradients(max_norm=1.0)``, AdamW with a
+StepLR schedule; saves with ``fabric.save`` at step K, and a fresh model/optimizer/scheduler
+loaded with ``fabric.load`` continues to 2K.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import DDPStrategy
+from torch import nn
+
+from tests.models import MLP
+from zero_strategy.fabric import ZeroFabricStrategy
+
+K = 3
+ACCUM = 2
+CLIP = 1.0
+TIMEOUT = timedelta(seconds=120)
+
+
+def make_strategy(name: str) -> Any:
+    if name == "ddp":
+        return DDPStrategy(timeout=TIMEOUT)
+    if name == "zero3_units":
+        return ZeroFabricStrategy(stage=3, unit_numel=500, param_persistence_threshold=40,
+                                  timeout=TIMEOUT)
+    return name
+
+
+def batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return [(torch.randn(4, 16, generator=gen), 10 * torch.randn(4, 5, generator=gen))
+            for _ in range(2 * K * ACCUM)]
+
+
+def build(fabric: Fabric) -> tuple[Any, Any, Any]:
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    model, opt = fabric.setup(model, opt)
+    return model, opt, sched
+
+
+def reduce_bytes(model: Any) -> int:
+    engine = getattr(model._forward_module, "engine", None)
+    if engine is None:
+        return 0
+    snap = engine.comm_bytes()
+    return int(snap.get("all_reduce", 0) + snap.get("reduce_scatter", 0))
+
+
+def train(fabric: Fabric, model: Any, opt: Any, sched: Any, data: list, first: int, last: int,
+          on_step: Any = None) -> dict[str, list]:
+    out: dict[str, list] = {"loss": [], "norm": [], "lr": [], "reduce": []}
+    for step in range(first, last):
+        for micro in range(ACCUM):
+            x, y = data[step * ACCUM + micro]
+            before = reduce_bytes(model)
+            with fabric.no_backward_sync(model, enabled=micro < ACCUM - 1):
+                loss = nn.functional.mse_loss(model(x), y) / ACCUM
+                fabric.backward(loss)
+            out["reduce"].append(reduce_bytes(model) - before)
+            out["loss"].append(float(loss))
+        out["norm"].append(float(fabric.clip_gradients(model, opt, max_norm=CLIP)))
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        out["lr"].append(opt.param_groups[0]["lr"])
+        if on_step is not None:
+            on_step(step + 1)
+    return out
+
+
+def weights(model: Any) -> dict[str, torch.Tensor]:
+    engine = getattr(model._forward_module, "engine", None)
+    state = engine.full_state_dict() if engine is not None else model.state_dict()
+    return {k: v.detach().cpu().float() for k, v in state.items()}
+
+
+def run(name: str, out_dir: Path, reference: dict[str, torch.Tensor] | None) -> dict[str, Any]:
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=make_strategy(name))
+    fabric.launch()
+    data = batches(fabric.global_rank)
+    ckpt = out_dir / f"fabric-{name}.ckpt"
+    model, opt, sched = build(fabric)
+
+    def save(step: int) -> None:
+        if step == K:
+            fabric.save(ckpt, {"model": model, "optimizer": opt, "scheduler": sched, "step": K})
+
+    result: dict[str, Any] = train(fabric, model, opt, sched, data, 0, 2 * K, save)
+    final = weights(model)
+    result["weights"] = final
+    if reference is not None:
+        result["rel_vs_ddp"] = rel_diff(final, reference)
+    if name != "ddp":
+        model2, opt2, sched2 = build(fabric)
+        state = {"model": model2, "optimizer": opt2, "scheduler": sched2}
+        remainder = fabric.load(ckpt, state)
+        result["remainder"] = remainder
+        resumed = train(fabric, model2, opt2, sched2, data, K, 2 * K)
+        result.update({f"resume_{k}": v for k, v in resumed.items()})
+        result["resume_rel"] = rel_diff(weights(model2), final)
+        result["is_dir"] = ckpt.is_dir()
+        result["precision"] = fabric.strategy.config.precision
+    return result
+
+
+def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(((a[k].double() - b[k].double()).abs().max()
+                / b[k].double().abs().max().clamp_min(1e-12)).item() for k in b)
+
+
+def fabric_suite(results: Any, out_dir: Path) -> None:
+    """Registers one result per strategy on ``results`` (a lightning_run.Results)."""
+    ref: dict[str, Any] = {}
+
+    def reference() -> dict[str, Any]:
+        result = run("ddp", out_dir, None)
+        ref["weights"] = result.pop("weights")
+        return result
+
+    results.run("fabric_ddp", reference)
+    for name in ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_units"):
+        def scenario(name: str = name) -> dict[str, Any]:
+            result = run(name, out_dir, ref["weights"])
+            result.pop("weights")
+            return result
+
+        results.run(f"fabric_{name}", scenario)

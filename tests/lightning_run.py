@@ -1,0 +1,377 @@
+"""Lightning Trainer scenarios for tests/test_lightning.py.
+
+Run as ``python tests/lightning_run.py SUITE OUT_DIR``. The first ``Trainer.fit`` makes
+Lightning re-run this same command line as rank 1 (``LOCAL_RANK=1``); later Trainers in the
+script reuse that pair of processes, so one launch runs every scenario of a suite. Each rank
+writes ``OUT_DIR/rank{r}.json`` after every scenario, and the tests assert on those files.
+
+Suites ("all" runs them in this order in one pair of processes; importing Lightning costs
+several seconds per process, so tests share launches):
+    memory   configure_model at stage 3 on a ~34M-parameter model: peak RSS growth while the
+             model is built and sharded (and, for contrast, the same model built in __init__),
+             and ModelSummary's parameter count. First, before other scenarios warm the heap.
+    trainer  DDP reference, then every preset (and a stage-3 config with small units): fit
+             with accumulation 2, clipping 1.0, a per-step LR schedule and ModelCheckpoint;
+             validate / test / predict; save after fit; resume from the step-K checkpoint in a
+             new Trainer; evaluate from the checkpoint in a fresh Trainer; consolidate and
+             load_from_checkpoint; a bf16-mixed run; two optimizers refused.
+    fabric   the same for Fabric (tests/lightning_fabric_scenarios.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import lightning.pytorch as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from lightning.pytorch.utilities.model_summary import ModelSummary  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import zero_strategy as zs  # noqa: E402
+from tests.lightning_fabric_scenarios import fabric_suite  # noqa: E402
+from tests.models import MLP  # noqa: E402
+from zero_strategy.lightning import ZeroStrategy, consolidate_checkpoint  # noqa: E402
+
+K = 4  # optimizer steps per epoch (64 samples, 2 ranks x batch 4, accumulation 2)
+CLIP = 1.0
+TIMEOUT = timedelta(seconds=120)
+
+
+def rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+class Results:
+    def __init__(self, out: Path) -> None:
+        self.out, self.data = out, {}
+
+    def run(self, name: str, fn: Callable[[], Any]) -> None:
+        try:
+            self.data[name] = fn()
+        except Exception:  # recorded per scenario; its test reports the traceback
+            self.data[name] = {"error": traceback.format_exc()}
+        (self.out / f"rank{rank()}.json").write_text(json.dumps(self.data))
+
+
+# ---------------------------------------------------------------------- model and data
+class MLPModule(L.LightningModule):
+    def __init__(self, lr: float = 1e-2, seed: int = 0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(seed)
+        self.net = MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", self._loss(batch), sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class TwoOptimizers(MLPModule):
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.SGD(self.net.inp.parameters(), lr=0.1),
+                torch.optim.SGD(self.net.out.parameters(), lr=0.1)]
+
+
+def loader(seed: int, n: int = 64, batch: int = 4) -> DataLoader:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 16, generator=gen)
+    y = 10 * torch.randn(n, 5, generator=gen)  # large targets: clipping at 1.0 engages
+    return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=False)
+
+
+# ---------------------------------------------------------------------- recording
+class Recorder(Callback):
+    """Per micro-batch loss, LR, and gradient communication; parameter count at fit start."""
+
+    def __init__(self) -> None:
+        self.loss: list[float] = []
+        self.step: list[int] = []
+        self.lr: list[float] = []
+        self.reduce_bytes: list[int] = []
+        self.ref_norm: list[float] = []
+        self.summary: dict[str, int] = {}
+        self._before = 0
+
+    def _reduce_bytes(self, trainer: L.Trainer) -> int:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is None:
+            return 0
+        snap = engine.comm_bytes()
+        return int(snap.get("all_reduce", 0) + snap.get("reduce_scatter", 0))
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        summary = ModelSummary(pl_module, max_depth=1)
+        self.summary = {"total": summary.total_parameters,
+                        "trainable": summary.trainable_parameters}
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._before = self._reduce_bytes(trainer)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.loss.append(float(outputs["loss"]))
+        self.step.append(trainer.global_step)
+        self.lr.append(trainer.optimizers[0].param_groups[0]["lr"])
+        self.reduce_bytes.append(self._reduce_bytes(trainer) - self._before)
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                                 optimizer: Any) -> None:
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        if grads:  # only DDP leaves gradients on the parameters (before clipping)
+            self.ref_norm.append(float(torch.nn.utils.get_total_norm(grads)))
+
+
+def trainer(strategy: Any, max_steps: int, callbacks: list[Callback] | None = None,
+            **kwargs: Any) -> L.Trainer:
+    settings: dict[str, Any] = dict(
+        accelerator="cpu", devices=2, accumulate_grad_batches=2, gradient_clip_val=CLIP,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=2, num_sanity_val_steps=1,
+    )
+    settings.update(kwargs)
+    return L.Trainer(strategy=strategy, max_steps=max_steps, callbacks=callbacks or [],
+                     **settings)
+
+
+def weights_of(t: L.Trainer, model: L.LightningModule) -> dict[str, torch.Tensor]:
+    engine = getattr(t.strategy, "engine", None)
+    state = engine.full_state_dict() if engine is not None else model.state_dict()
+    return {k: v.detach().cpu().float() for k, v in state.items()}
+
+
+def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(((a[k].double() - b[k].double()).abs().max()
+                / b[k].double().abs().max().clamp_min(1e-12)).item() for k in b)
+
+
+def evaluate(t: L.Trainer, model: L.LightningModule) -> dict[str, Any]:
+    val = t.validate(model, loader(2, n=16), verbose=False)[0]["val_loss"]
+    test = t.test(model, loader(3, n=16), verbose=False)[0]["test_loss"]
+    preds = t.predict(model, loader(4, n=16))
+    return {"val": val, "test": test, "pred": torch.cat(preds).flatten().tolist()}
+
+
+# ---------------------------------------------------------------------- trainer suite
+REF: dict[str, Any] = {}
+
+
+def reference() -> dict[str, Any]:
+    rec = Recorder()
+    model = MLPModule()
+    t = trainer(DDPStrategy(timeout=TIMEOUT), 2 * K, [rec])
+    t.fit(model, loader(1))
+    REF.update(weights=weights_of(t, model), initial=MLPModule().state_dict())
+    result = {"loss": rec.loss, "lr": rec.lr, "ref_norm": rec.ref_norm, "summary": rec.summary,
+              "logged": float(t.callback_metrics["train_loss"]), **evaluate(t, model)}
+    REF["result"] = result
+    return result
+
+
+def preset(strategy: Callable[[], Any], name: str, out: Path) -> dict[str, Any]:
+    """Fit vs DDP with ModelCheckpoint, evaluate, save after fit, resume from step K,
+    evaluate from the checkpoint, consolidate."""
+    rec = Recorder()
+    model = MLPModule()
+    saver = ModelCheckpoint(dirpath=out / name, every_n_train_steps=K, save_top_k=-1)
+    t = trainer(strategy(), 2 * K, [rec, saver], enable_checkpointing=True)
+    t.fit(model, loader(1))
+    weights = weights_of(t, model)
+    result: dict[str, Any] = {
+        "loss": rec.loss, "lr": rec.lr, "summary": rec.summary, "reduce": rec.reduce_bytes,
+        "rel_vs_ddp": rel_diff(weights, REF["weights"]),
+        "moved": rel_diff({k: v.float() for k, v in REF["initial"].items()}, weights),
+        "precision": t.strategy.config.precision, "stage": t.strategy.config.stage,
+        "saved": sorted(os.listdir(out / name)),
+        "logged": float(t.callback_metrics["train_loss"]), **evaluate(t, model),
+    }
+    final = out / f"{name}-final.ckpt"
+    t.save_checkpoint(final)  # after fit: the engine outlives the trainer call
+    result["final_is_dir"] = final.is_dir()
+    # The same model object, in a new Trainer, from the epoch-end checkpoint ModelCheckpoint
+    # wrote at step K (where Lightning's loops resume exactly, DDP included).
+    resumed = Recorder()
+    second = trainer(strategy(), 2 * K, [resumed])
+    second.fit(model, loader(1), ckpt_path=out / name / f"epoch=0-step={K}.ckpt")
+    result.update(resume_loss=resumed.loss, resume_step=resumed.step, resume_lr=resumed.lr,
+                  resume_rel=rel_diff(weights_of(second, model), weights))
+    result.update(evaluate_from_checkpoint(strategy, final))
+    if rank() == 0:
+        ckpt = consolidate_checkpoint(final, out / f"{name}-consolidated.ckpt")
+        loaded = MLPModule.load_from_checkpoint(out / f"{name}-consolidated.ckpt")
+        result["consolidated_rel"] = rel_diff(
+            {k: v.float() for k, v in loaded.state_dict().items()}, weights)
+        result["consolidated_hparams"] = dict(loaded.hparams)
+        result["consolidated_keys"] = sorted(ckpt)
+        flat = zs.write_consolidated(final, out / f"{name}.safetensors")  # the CLI's format
+        plain = MLPModule(seed=7)
+        plain.load_state_dict(load_file(flat))
+        result["safetensors_rel"] = rel_diff(
+            {k: v.float() for k, v in plain.state_dict().items()}, weights)
+    return result
+
+
+def evaluate_from_checkpoint(strategy: Any, ckpt: Path) -> dict[str, Any]:
+    """A fresh model evaluated from the post-fit checkpoint (an evaluation-only engine)."""
+    t = trainer(strategy(), 1)
+    test = t.test(MLPModule(seed=123), loader(3, n=16), ckpt_path=ckpt, verbose=False)
+    return {"ckpt_test": test[0]["test_loss"]}
+
+
+def two_optimizers() -> str:
+    try:
+        trainer("zero2", 2).fit(TwoOptimizers(), loader(1))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def bf16() -> dict[str, Any]:
+    model, rec = MLPModule(), Recorder()
+    t = trainer("zero3", 2, [rec], precision="bf16-mixed")
+    t.fit(model, loader(1))
+    engine = t.strategy.engine
+    return {"config": t.strategy.config.precision, "plugin": type(t.precision_plugin).__name__,
+            "compute": str(engine.plan.policy.compute_dtype), "loss": rec.loss,
+            "master": sorted({str(v.dtype) for v in engine.full_state_dict().values()})}
+
+
+def trainer_suite(results: Results, out: Path) -> None:
+    results.run("ddp", reference)
+    strategies: dict[str, Callable[[], Any]] = {
+        name: (lambda name=name: name) for name in zs.fabric.PRESETS
+    }
+    strategies["zero3_units"] = lambda: ZeroStrategy(
+        stage=3, unit_numel=500, param_persistence_threshold=40, timeout=TIMEOUT)
+    for name, make in strategies.items():
+        results.run(name, lambda make=make, name=name: preset(make, name, out))
+    results.run("bf16", bf16)
+    results.run("two_optimizers", two_optimizers)
+
+
+# ---------------------------------------------------------------------- memory suite
+def rss_mib(field: str = "VmRSS") -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(field)
+
+
+def reset_peak() -> float:
+    """Reset the RSS high-water mark to the current RSS; returns that RSS (MiB)."""
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    return rss_mib()
+
+
+def layers() -> nn.Module:
+    """32 x Linear(1024, 1024): ~33.6M parameters, 128 MiB in fp32."""
+    return nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(32)])
+
+
+class BigModule(L.LightningModule):
+    """The model is built in configure_model (``in_configure_model``) or in ``__init__``."""
+
+    def __init__(self, in_configure_model: bool) -> None:
+        super().__init__()
+        self.peaks: dict[str, Any] = {}
+        self.layers = None if in_configure_model else layers()
+
+    def setup(self, stage: str) -> None:
+        if self.layers is None:
+            self.peaks["base"] = reset_peak()
+
+    def configure_model(self) -> None:
+        if self.layers is None:
+            self.layers = layers()
+            self.peaks["built_on_meta"] = all(p.is_meta for p in self.layers.parameters())
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.layers(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+class MemoryProbe(Callback):
+    def on_fit_start(self, trainer: L.Trainer, pl_module: BigModule) -> None:
+        engine = trainer.strategy.engine
+        pl_module.peaks.update(
+            peak_growth=rss_mib("VmHWM") - pl_module.peaks["base"],
+            state_mib=engine.memory_report()["total_bytes"] / 2**20,
+            summary=ModelSummary(pl_module).total_parameters, engine_numel=engine.num_params,
+        )
+
+
+def memory_suite(results: Results, out: Path) -> None:
+    """Peak RSS growth from before the model exists to the start of training, for the model
+    built in configure_model (meta, sharded by the engine) and, for contrast, in __init__."""
+    def run(in_configure_model: bool) -> dict[str, Any]:
+        base = reset_peak()
+        model = BigModule(in_configure_model)
+        model.peaks.setdefault("base", base)
+        data = DataLoader(TensorDataset(torch.randn(4, 1024)), batch_size=2)
+        calls = []
+
+        def init(module: nn.Module) -> None:  # the engine's default, counted
+            calls.append(type(module).__name__)
+            module.reset_parameters()
+
+        strategy = ZeroStrategy(stage=3, param_init_fn=init)
+        t = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=1,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[MemoryProbe()])
+        t.fit(model, data)
+        return {**model.peaks, "full_mib": 32 * (1024 * 1024 + 1024) * 4 / 2**20,
+                "init_calls": calls}
+
+    results.run("memory_configure_model", lambda: run(True))
+    results.run("memory_init", lambda: run(False))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    suite, out_dir = sys.argv[1], Path(sys.argv[2])
+    suites = {"memory": memory_suite, "trainer": trainer_suite, "fabric": fabric_suite}
+    results = Results(out_dir)
+    for name in suites if suite == "all" else [suite]:
+        suites[name](results, out_dir)

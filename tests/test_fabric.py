@@ -1,0 +1,88 @@
+"""``Fabric(strategy="zero*")`` against ``Fabric(strategy="ddp")``.
+
+The Fabric scenarios (tests/lightning_fabric_scenarios.py) run inside tests/lightning_run.py's
+processes, shared with tests/test_lightning.py; construction-time checks run here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from torch import nn
+
+from tests.lightning_launch import check, suite_results
+from zero_strategy.fabric import PRESETS, ZeroFabricPrecision, ZeroFabricStrategy
+
+TOL = 1e-5
+STRATEGIES = [*PRESETS, "zero3_units"]
+K = 3  # tests/lightning_fabric_scenarios.py: save at step K of 2K
+
+
+@pytest.fixture(scope="module")
+def suite() -> dict:
+    return suite_results()
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_matches_ddp(suite: dict, name: str) -> None:
+    """Per-micro-batch losses, pre-clip norms, LR schedule and final weights; accumulation 2
+    through no_backward_sync, clip_gradients(max_norm=1.0)."""
+    for rank, (r, ref) in enumerate(zip(check(suite[f"fabric_{name}"]),
+                                        check(suite["fabric_ddp"]))):
+        assert r["loss"] == pytest.approx(ref["loss"], rel=TOL, abs=1e-7), f"rank {rank}"
+        assert r["norm"] == pytest.approx(ref["norm"], rel=TOL), f"rank {rank}"
+        assert min(ref["norm"]) > 1.0, "clipping at 1.0 never engaged"
+        assert r["lr"] == ref["lr"] and len(set(ref["lr"])) == 4
+        assert r["rel_vs_ddp"] <= TOL, f"rank {rank}: weights differ by {r['rel_vs_ddp']:.2e}"
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_no_backward_sync_skips_gradient_communication(suite: dict, name: str) -> None:
+    for r in check(suite[f"fabric_{name}"]):
+        assert r["reduce"][0::2] == [0] * (2 * K)
+        assert all(b > 0 for b in r["reduce"][1::2])
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_save_and_load_resume_exactly(suite: dict, name: str) -> None:
+    """fabric.save at step K; a fresh model, optimizer and scheduler loaded with fabric.load
+    continue to 2K exactly as the uninterrupted run (losses, norms, LR, weights)."""
+    for r in check(suite[f"fabric_{name}"]):
+        assert r["is_dir"] and r["remainder"] == {"step": K}
+        assert r["resume_loss"] == pytest.approx(r["loss"][2 * K:], rel=TOL, abs=1e-7)
+        assert r["resume_norm"] == pytest.approx(r["norm"][K:], rel=TOL)
+        assert r["resume_lr"] == r["lr"][K:]
+        assert r["resume_rel"] <= TOL
+
+
+def test_registered_names_and_precision() -> None:
+    for name, preset in PRESETS.items():
+        assert name in STRATEGY_REGISTRY, name
+        fabric = Fabric(strategy=name, accelerator="cpu", devices=2)
+        assert isinstance(fabric.strategy, ZeroFabricStrategy)
+        for field, value in preset.items():
+            assert getattr(fabric.strategy.config, field) == value, (name, field)
+    fabric = Fabric(strategy="zero3", accelerator="cpu", devices=2, precision="bf16-mixed")
+    assert fabric.strategy.config.precision == "bf16-mixed"
+    assert isinstance(fabric.strategy.precision, ZeroFabricPrecision)
+    with pytest.raises(ValueError, match="precision='16-true'.*allowed"):
+        Fabric(strategy="zero3", accelerator="cpu", devices=2, precision="16-true")
+    with pytest.raises(ValueError, match="precision conflict"):
+        Fabric(strategy=ZeroFabricStrategy(precision="bf16-mixed"), accelerator="cpu",
+               devices=2, precision="bf16-true")
+
+
+def test_bad_input_is_refused_before_launch() -> None:
+    with pytest.raises(TypeError, match="unknown option.*'offload'.*allowed"):
+        ZeroFabricStrategy(offload=True)
+    strategy = ZeroFabricStrategy(stage=2)
+    model = nn.Linear(2, 2)
+    opts = [torch.optim.SGD([model.weight], lr=0.1), torch.optim.SGD([model.bias], lr=0.1)]
+    with pytest.raises(ValueError, match="one optimizer per model, got 2"):
+        strategy.setup_module_and_optimizers(model, opts)
+    with pytest.raises(NotImplementedError, match="global norm.*max_norm"):
+        strategy.clip_gradients_value(model, opts[0], 1.0)
+    with pytest.raises(NotImplementedError, match="setup_module_and_optimizers"):
+        strategy.setup_optimizer(opts[0])

@@ -1,0 +1,268 @@
+"""``Trainer(strategy="zero*")`` against ``strategy="ddp"``, checkpoints, Hydra launching.
+
+The distributed runs happen in scripts launched the way a user would (see
+tests/lightning_launch.py): tests/lightning_run.py runs every Trainer scenario in one pair of
+processes (DDP reference first), tests/lightning_hydra_app.py is a Hydra app run as a single
+job and as a ``-m`` sweep. They start together (the machine waits on process start-up more
+than it computes); the tests below assert on what they recorded. Construction-time checks run
+in this process: they must fail before any process is started.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import zero_strategy as zs
+from tests.lightning_launch import ROOT, check, run_script, suite_results
+from zero_strategy.fabric import PRESETS, _hydra_cli_flags
+from zero_strategy.lightning import ZeroPrecision, ZeroStrategy
+
+TOL = 1e-5  # fp32: only summation order differs from DDP
+STRATEGIES = [*PRESETS, "zero3_units"]
+NUM_PARAMS = 4163  # tests.models.MLP
+HYDRA_APP = str(ROOT / "tests" / "lightning_hydra_app.py")
+
+
+def hydra_run(args: list[str]) -> tuple[list[dict[str, Any]], str]:
+    out = Path(tempfile.mkdtemp(prefix="zs-hydra-"))
+    code, log = run_script([HYDRA_APP, *[a.replace("OUT", str(out)) for a in args]],
+                           timeout=400)
+    records = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    assert code == 0, f"hydra app failed ({code}):\n{log[-6000:]}"
+    return records, log
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, Any]:
+    """The Trainer suite and both Hydra runs, started together."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(3) as pool:
+        multirun = pool.submit(hydra_run, ["-m", "lr=0.1,0.2", "out=OUT",
+                                           "hydra.sweep.dir=OUT/sweep"])
+        single = pool.submit(hydra_run, ["lr=0.3", "out=OUT", "hydra.run.dir=OUT/run"])
+        suite = pool.submit(suite_results)
+        return {"suite": suite.result(), "multirun": multirun.result(),
+                "single": single.result()}
+
+
+@pytest.fixture(scope="module")
+def suite(runs: dict[str, Any]) -> dict[str, list[Any]]:
+    return runs["suite"]
+
+
+# ---------------------------------------------------------------------- parity with DDP
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_matches_ddp(suite: dict, name: str) -> None:
+    """Per-step losses, LR schedule, final consolidated weights; accumulation 2, clip 1.0."""
+    refs = check(suite["ddp"])
+    for rank, (r, ref) in enumerate(zip(check(suite[name]), refs)):
+        assert len(r["loss"]) == len(ref["loss"]) == 16
+        for i, (a, b) in enumerate(zip(r["loss"], ref["loss"])):
+            assert a == pytest.approx(b, rel=TOL, abs=1e-7), f"rank {rank} micro-batch {i}"
+        assert r["lr"] == ref["lr"] and len(set(ref["lr"])) == 3, "LR schedule differs"
+        assert r["rel_vs_ddp"] <= TOL, f"rank {rank}: weights differ by {r['rel_vs_ddp']:.2e}"
+        assert r["moved"] > 1e-3, "training did not move the weights: parity would be vacuous"
+        assert min(ref["ref_norm"]) > 1.0, "clipping at 1.0 never engaged"
+        assert r["stage"] == (1 if name == "zero1" else 2 if name.startswith("zero2") else 3)
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_accumulation_skips_gradient_communication(suite: dict, name: str) -> None:
+    for r in check(suite[name]):
+        assert r["reduce"][0::2] == [0] * 8, "a non-final micro-batch reduced gradients"
+        assert all(b > 0 for b in r["reduce"][1::2]), "the final micro-batch did not reduce"
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_log_validate_test_predict_and_summary(suite: dict, name: str) -> None:
+    refs = check(suite["ddp"])
+    for r, ref in zip(check(suite[name]), refs):
+        assert r["summary"] == {"total": NUM_PARAMS, "trainable": NUM_PARAMS}
+        assert r["logged"] == pytest.approx(ref["logged"], rel=TOL)  # self.log(sync_dist=True)
+        assert r["val"] == pytest.approx(ref["val"], rel=TOL)
+        assert r["test"] == pytest.approx(ref["test"], rel=TOL)
+        assert r["pred"] == pytest.approx(ref["pred"], rel=TOL, abs=1e-5)
+
+
+# ---------------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_resume_from_model_checkpoint_is_exact(suite: dict, name: str) -> None:
+    """ModelCheckpoint wrote sharded directories; a new Trainer resumes the same model object
+    from step 4 and reproduces steps 5-8 of the uninterrupted run."""
+    for r in check(suite[name]):
+        assert r["saved"] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"]
+        n = len(r["resume_loss"])
+        assert n == 8 and r["resume_step"][0] == 4
+        assert r["resume_loss"] == pytest.approx(r["loss"][-n:], rel=TOL, abs=1e-7)
+        assert r["resume_lr"] == r["lr"][-n:], "LR schedule not restored"
+        assert r["resume_rel"] <= TOL
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_checkpoint_after_fit_evaluates_and_consolidates(suite: dict, name: str) -> None:
+    results = check(suite[name])
+    for r in results:
+        assert r["final_is_dir"], "trainer.save_checkpoint did not write a sharded directory"
+        assert r["ckpt_test"] == pytest.approx(r["test"], rel=TOL), "test(ckpt_path=) differs"
+    rank0 = results[0]
+    assert rank0["consolidated_rel"] == 0.0, "load_from_checkpoint weights differ"
+    assert rank0["safetensors_rel"] == 0.0, "zero_strategy.write_consolidated weights differ"
+    assert rank0["consolidated_hparams"] == {"lr": 0.01, "seed": 0}
+    assert {"state_dict", "hyper_parameters", "pytorch-lightning_version"} <= set(
+        rank0["consolidated_keys"])
+
+
+# ---------------------------------------------------------------------- other behaviour
+def test_configure_model_builds_sharded(suite: dict) -> None:
+    """No rank ever holds the whole fp32 model: peak RSS growth from setup() to the start of
+    training stays well under the model's 128 MiB; built in __init__ instead, it exceeds it."""
+    for sharded, whole in zip(check(suite["memory_configure_model"]),
+                              check(suite["memory_init"])):
+        assert sharded["built_on_meta"]
+        assert sharded["init_calls"] == ["Linear"] * 32  # ZeroStrategy(param_init_fn=...)
+        assert whole["init_calls"] == []  # nothing on meta: nothing to initialise
+        assert sharded["summary"] == sharded["engine_numel"] == 33_587_200  # not 0 at stage 3
+        full = sharded["full_mib"]
+        assert sharded["state_mib"] == pytest.approx(full / 2, rel=0.01)
+        assert sharded["peak_growth"] < 0.75 * full, sharded
+        assert whole["peak_growth"] > 0.95 * full, ("the contrast case does not hold the "
+                                                    "whole model: the check cannot tell", whole)
+
+
+def test_bf16_mixed_flag_reaches_the_engine(suite: dict) -> None:
+    for r in check(suite["bf16"]):
+        assert r["config"] == "bf16-mixed" and r["plugin"] == "ZeroPrecision"
+        assert r["compute"] == "torch.bfloat16" and r["master"] == ["torch.float32"]
+        assert all(torch.isfinite(torch.tensor(r["loss"])))
+
+
+def test_two_optimizers_refused(suite: dict) -> None:
+    for message in check(suite["two_optimizers"]):
+        assert "exactly one optimizer" in message and "returned 2" in message
+
+
+# ---------------------------------------------------------------------- Hydra
+def test_hydra_multirun_runs_each_job_once_with_two_ranks(runs: dict) -> None:
+    records, log = runs["multirun"]
+    seen = sorted((r["lr"], r["rank"]) for r in records)
+    assert seen == [(0.1, 0), (0.1, 1), (0.2, 0), (0.2, 1)], (seen, log[-4000:])
+    assert all(r["world_size"] == 2 for r in records)
+    by_lr = {lr: {r["rank"]: r for r in records if r["lr"] == lr} for lr in (0.1, 0.2)}
+    for ranks in by_lr.values():
+        assert ranks[1]["job_dir"] == ranks[0]["job_dir"], "rank 1 wrote into another job"
+        assert "-m" not in ranks[1]["argv"] and ranks[1]["mode"] == "RunMode.RUN"
+    assert by_lr[0.1][0]["pid"] == by_lr[0.2][0]["pid"], "the sweep ran jobs in one process"
+    assert by_lr[0.1][1]["pid"] != by_lr[0.2][1]["pid"], "each job needs its own rank 1"
+
+
+def test_hydra_single_run(runs: dict) -> None:
+    records, log = runs["single"]
+    assert sorted(r["rank"] for r in records) == [0, 1], log[-4000:]
+    assert all(r["world_size"] == 2 and r["lr"] == 0.3 for r in records)
+    assert records[0]["job_dir"] == records[1]["job_dir"]
+    assert records[0]["job_dir"].endswith("/run")
+
+
+def test_hydra_child_keeps_config_flags_only() -> None:
+    argv = ["-m", "--config-name", "train", "lr=1,2", "-cp=conf", "--config-dir", "d", "+x=1"]
+    assert _hydra_cli_flags(argv) == ["--config-name", "train", "-cp=conf", "--config-dir", "d"]
+
+
+# ---------------------------------------------------------------------- in this process
+class TinyModule(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.layer(batch[0]).sum()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class TwoOptimizers(TinyModule):
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.SGD([self.layer.weight], lr=0.1),
+                torch.optim.SGD([self.layer.bias], lr=0.1)]
+
+
+def make_trainer(strategy: Any, **kwargs: Any) -> L.Trainer:
+    return L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, max_steps=1, **kwargs)
+
+
+def tiny_loader() -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=2)
+
+
+def test_registered_names() -> None:
+    for name, preset in PRESETS.items():
+        assert name in StrategyRegistry, name
+        strategy = make_trainer(name).strategy
+        assert isinstance(strategy, ZeroStrategy)
+        for field, value in preset.items():
+            assert getattr(strategy.config, field) == value, (name, field)
+    offload = make_trainer("zero3_offload").strategy.config
+    assert offload.offload_optimizer and offload.offload_params
+
+
+@pytest.mark.filterwarnings("ignore:.*AMP with fp16 is not supported on CPU")
+@pytest.mark.parametrize("flag, expected", [
+    ("32-true", "32-true"), ("bf16-mixed", "bf16-mixed"), ("bf16-true", "bf16-true"),
+    ("16-mixed", "bf16-mixed"),  # Lightning turns fp16 AMP on CPU into bf16 (with a warning)
+])
+def test_precision_flag_maps_onto_config(flag: str, expected: str) -> None:
+    trainer = make_trainer("zero2", precision=flag)
+    assert trainer.strategy.config.precision == expected
+    assert isinstance(trainer.precision_plugin, ZeroPrecision)
+    assert trainer.precision_plugin.precision == expected
+
+
+def test_precision_from_config_and_conflicts() -> None:
+    cfg = zs.ZeroConfig(stage=1, precision="bf16-true")
+    assert make_trainer(ZeroStrategy(config=cfg)).strategy.config.precision == "bf16-true"
+    assert make_trainer(ZeroStrategy(precision="bf16-mixed"),
+                        precision="bf16-mixed").strategy.config.precision == "bf16-mixed"
+    with pytest.raises(ValueError, match="precision conflict.*'bf16-true'.*'bf16-mixed'"):
+        make_trainer(ZeroStrategy(precision="bf16-mixed"), precision="bf16-true")
+    with pytest.raises(ValueError, match="precision='16-true'.*allowed"):
+        make_trainer("zero3", precision="16-true")
+    with pytest.raises(TypeError, match="DoublePrecision"):
+        make_trainer("zero3", precision="64-true")
+
+
+def test_bad_options_name_the_field() -> None:
+    with pytest.raises(TypeError, match="unknown option.*'stages'.*allowed.*'stage'"):
+        ZeroStrategy(stages=3)
+    with pytest.raises(ValueError, match="stage must be one of"):
+        ZeroStrategy(stage=4)
+    with pytest.raises(ValueError, match="offload_params requires stage=3"):
+        ZeroStrategy(stage=2, offload_params=True)
+    with pytest.raises(TypeError, match="must be a ZeroConfig"):
+        ZeroStrategy(config={"stage": 3})
+
+
+@pytest.mark.parametrize("module, kwargs, match", [
+    (TinyModule, {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"},
+     "global norm.*'norm'"),
+    (TwoOptimizers, {}, "exactly one optimizer.*returned 2"),
+])
+def test_refused_before_any_process_starts(module: type, kwargs: dict, match: str) -> None:
+    trainer = make_trainer("zero2", **kwargs)
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(module(), tiny_loader())
+    assert trainer.strategy.launcher.procs == [], "processes were started"
+    assert not torch.distributed.is_initialized()

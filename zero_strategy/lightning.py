@@ -1,0 +1,436 @@
+"""Lightning ``Trainer(strategy="zero3")``: the engine as a Lightning strategy.
+
+Importing this module registers ``zero1``, ``zero2``, ``zero3``, ``zero2_offload`` and
+``zero3_offload`` (Lightning has no entry point for strategies); ``ZeroStrategy(config=...)``
+gives full control.
+
+How Lightning's calls reach the engine:
+
+- every ``*_step`` is redirected through ``EngineModule.forward``, i.e. ``engine(...)``;
+- ``backward`` goes strategy -> ``ZeroPrecision.backward`` -> ``engine.backward``;
+- ``optimizer.step(closure)`` -> ``ZeroPrecision.optimizer_step``: closure, hooks, clipping
+  (``clip_gradients`` -> ``engine.clip_grad_norm_``), then ``engine.step()``;
+- accumulation: Lightning wraps non-final micro-batches in ``block_backward_sync()``, which is
+  ``engine.no_sync()``;
+- Lightning swaps the precision plugin of a strategy it does not know for its own (autocast,
+  GradScaler, torch clipping); our setter takes that plugin's precision name instead, so the
+  engine's loss scaling and sharded clipping always run;
+- checkpoints are the engine's sharded directories plus one file of Lightning state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import _configure_optimizers
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+
+from .config import ZeroConfig
+from .engine import ZeroEngine
+from .fabric import (
+    PRESET_DESCRIPTIONS,
+    PRESETS,
+    EngineModule,
+    HydraJobLauncherMixin,
+    backward_kwargs,
+    build_config,
+    generic_precision_name,
+    group_hyperparameters,
+    has_meta_tensors,
+    load_engine_checkpoint,
+    mark_stepped,
+    merge_precision,
+    placeholder_optimizer,
+    precision_explicit,
+    read_client_state,
+    restore_hyperparameters,
+    save_engine_checkpoint,
+)
+from .reshard import consolidate
+
+_GENERIC_PLUGINS = (Precision, MixedPrecision, HalfPrecision)
+_NOT_SAVED = ("state_dict", "optimizer_states")  # the engine's shards hold these
+
+_SLOT = "_zero_engine_slot"
+
+
+class _EngineSlot:
+    """The engine managing a LightningModule, kept on the module itself.
+
+    The engine outlives a trainer call on purpose: ``trainer.save_checkpoint`` after ``fit``
+    and ``validate``/``test``/``predict`` (even from another Trainer) use it. Kept on the
+    module, it is freed with the module; copies and pickles of the module get an empty slot.
+    """
+
+    def __init__(self, engine: ZeroEngine | None = None, has_optimizer: bool = False) -> None:
+        self.engine = engine
+        self.has_optimizer = has_optimizer
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _EngineSlot:
+        return _EngineSlot()
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return (_EngineSlot, ())
+
+
+def _slot(module: nn.Module) -> _EngineSlot:
+    slot = module.__dict__.get(_SLOT)
+    if slot is None:
+        slot = _EngineSlot()
+        object.__setattr__(module, _SLOT, slot)
+    return slot
+
+
+class ZeroPrecision(Precision):
+    """Hands backward, clipping and the optimizer step to the engine.
+
+    No autocast, module conversion or input cast: the engine casts inputs to its compute
+    dtype itself, keeps fp32 masters for the mixed modes and scales the loss for "16-mixed".
+    """
+
+    def __init__(self, precision: str, strategy: ZeroStrategy) -> None:
+        self.precision = precision  # type: ignore[assignment]
+        self._strategy = strategy
+        self._warned_backward = False
+
+    def _engine(self) -> ZeroEngine:
+        return self._strategy.require_engine("train")
+
+    def backward(self, tensor: torch.Tensor, model: pl.LightningModule, optimizer: Any,
+                 *args: Any, **kwargs: Any) -> None:
+        if is_overridden("backward", model) and not self._warned_backward:
+            self._warned_backward = True
+            rank_zero_warn("ZeroStrategy runs engine.backward(loss): the LightningModule's "
+                           "overridden backward() is not called")
+        self._engine().backward(tensor, **backward_kwargs(args, kwargs))
+
+    def optimizer_step(self, optimizer: Any, model: pl.LightningModule,
+                       closure: Callable[[], Any], **kwargs: Any) -> Any:
+        if kwargs:
+            raise TypeError(f"optimizer.step() options {sorted(kwargs)} are not supported")
+        result = closure()  # training_step + backward (gradients reduced when it ends)
+        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, clipping
+        if model.automatic_optimization and result is None:
+            return None  # training_step returned None: no backward, nothing to step
+        engine = self._engine()
+        engine.step()
+        mark_stepped(engine.user_optimizer)
+        return result
+
+    def clip_gradients(
+        self, optimizer: Any, clip_val: float | int = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if clip_val is None or clip_val <= 0:
+            return
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            raise ValueError(_VALUE_CLIP_MESSAGE)
+        self._engine().clip_grad_norm_(float(clip_val))
+
+
+_VALUE_CLIP_MESSAGE = (
+    "ZeroStrategy clips by the global norm over shards only: gradient_clip_algorithm must be "
+    "'norm' (got 'value'); use Trainer(gradient_clip_val=..., gradient_clip_algorithm='norm')"
+)
+
+
+def _one_optimizer_message(count: int) -> str:
+    return (
+        f"ZeroStrategy shards exactly one optimizer, but configure_optimizers returned {count}; "
+        "return one optimizer (with several param groups if needed)"
+    )
+
+
+def _count_optimizers(model: pl.LightningModule) -> int | None:
+    """How many optimizers ``configure_optimizers`` returns, asked before processes start.
+
+    Best effort: a model built in ``configure_model`` has no parameters yet, and some
+    ``configure_optimizers`` need the Trainer (``estimated_stepping_batches``); those are
+    checked again in ``setup``, on every rank alike.
+    """
+    if is_overridden("configure_model", model) or not any(True for _ in model.parameters()):
+        return None
+    try:
+        optimizers, _, _ = _configure_optimizers(model.configure_optimizers())
+    except Exception:  # noqa: BLE001 - anything it needs that is not there yet: setup checks
+        return None
+    return len(optimizers)
+
+
+class _ZeroLauncher(HydraJobLauncherMixin, _SubprocessScriptLauncher):
+    """Lightning's subprocess launcher that runs one Hydra job per world (see the mixin) and
+    checks the Trainer's settings before any process is started."""
+
+    def __init__(self, cluster_environment: Any, num_processes: int, num_nodes: int,
+                 check: Callable[[pl.Trainer, pl.LightningModule | None], None]) -> None:
+        super().__init__(cluster_environment, num_processes, num_nodes)
+        self._check = check
+
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None,
+               **kwargs: Any) -> Any:
+        if trainer is not None:
+            model = args[0] if args and isinstance(args[0], pl.LightningModule) else None
+            self._check(trainer, model)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class ZeroStrategy(DDPStrategy):
+    """ZeRO stages 0-3 with optional CPU offload and mixed precision, through ``ZeroEngine``.
+
+    Args:
+        config: the full engine config; ``**options`` (ZeroConfig fields such as ``stage``,
+            ``offload_optimizer``) override its fields. The Trainer's ``precision=`` sets
+            ``config.precision`` unless the config already chose one.
+        process_group_backend: "gloo" / "nccl"; by default from the device, as for DDP.
+        timeout: the process group timeout.
+        param_init_fn: initialises each module of a meta-device model as the engine
+            materialises it (default ``module.reset_parameters()``), e.g. a transformers
+            model's ``_init_weights``.
+
+    Processes, ranks and collectives are DDP's (same launcher, same process group), hence the
+    subclass; the model goes to the engine instead of DistributedDataParallel.
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self, config: ZeroConfig | None = None, *, accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None, cluster_environment: Any = None,
+        checkpoint_io: Any = None, precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
+        param_init_fn: Callable[[nn.Module], None] | None = None, **options: Any,
+    ) -> None:
+        # Set before super().__init__, which already calls the precision setter.
+        self.config = build_config(config, options, type(self).__name__)
+        self._precision_explicit = precision_explicit(config, options)
+        self._param_init_fn = param_init_fn
+        self._engine: ZeroEngine | None = None
+        self._engine_has_optimizer = False
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+            timeout=timeout, start_method="popen",
+        )
+
+    @property
+    def engine(self) -> ZeroEngine | None:
+        """The engine training the LightningModule (None before ``fit``/``validate``/...)."""
+        return self._engine
+
+    def require_engine(self, what: str) -> ZeroEngine:
+        if self._engine is None:
+            raise RuntimeError(
+                f"ZeroStrategy cannot {what} before the engine exists: it is built when "
+                "trainer.fit/validate/test/predict sets the model up"
+            )
+        return self._engine
+
+    # ------------------------------------------------------------------ plugins and launching
+    @property
+    def precision_plugin(self) -> Precision:
+        if self._precision_plugin is None:
+            self._precision_plugin = ZeroPrecision(self.config.precision, self)
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        if plugin is not None and not isinstance(plugin, ZeroPrecision):
+            owner = type(self).__name__
+            name = generic_precision_name(plugin, _GENERIC_PLUGINS, owner)
+            self.config = merge_precision(self.config, name, self._precision_explicit, owner)
+            plugin = ZeroPrecision(self.config.precision, self)
+        self._precision_plugin = plugin
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = _ZeroLauncher(self.cluster_environment, self.num_processes,
+                                       self.num_nodes, check=self.check_trainer)
+
+    def check_trainer(self, trainer: pl.Trainer, model: pl.LightningModule | None = None) -> None:
+        """Settings the engine cannot honour, refused before any process starts."""
+        if trainer.gradient_clip_val and (
+            trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE
+        ):
+            raise ValueError(_VALUE_CLIP_MESSAGE)
+        if model is not None and trainer.state.fn == TrainerFn.FITTING:
+            count = _count_optimizers(model)
+            if count is not None and count != 1:
+                raise ValueError(_one_optimizer_message(count))
+
+    # ------------------------------------------------------------------ model setup
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``configure_model`` (and ``trainer.init_module()``) at stage 3 build on the meta
+        device; the engine materialises unit by unit, so no rank holds the whole model.
+        ``empty_init=False`` asks for real tensors."""
+        if self.config.stage == 3 and empty_init is not False:
+            with torch.device("meta"):
+                yield
+            return
+        with super().tensor_init_context(empty_init):
+            yield
+
+    def model_to_device(self) -> None:
+        assert self.lightning_module is not None
+        if not has_meta_tensors(self.lightning_module):
+            self.lightning_module.to(self.root_device)
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        slot = _slot(module)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._release(slot)
+            self.model_to_device()
+            self._engine = self._new_engine(self._fit_optimizer(trainer))
+            self._engine_has_optimizer = True
+        elif slot.engine is not None:  # evaluate what the last fit (or evaluation) left
+            self._engine, self._engine_has_optimizer = slot.engine, slot.has_optimizer
+        else:
+            self.model_to_device()
+            self._engine = self._new_engine(placeholder_optimizer(module))
+            self._engine_has_optimizer = False
+        slot.engine, slot.has_optimizer = self._engine, self._engine_has_optimizer
+        if self._engine is not None:
+            self.model = EngineModule(self._engine)
+        self.setup_precision_plugin()
+
+    def _fit_optimizer(self, trainer: pl.Trainer) -> torch.optim.Optimizer:
+        self.setup_optimizers(trainer)
+        if len(self.optimizers) != 1:
+            raise ValueError(_one_optimizer_message(len(self.optimizers)))
+        return self.optimizers[0]
+
+    def _new_engine(self, optimizer: torch.optim.Optimizer | None) -> ZeroEngine | None:
+        if optimizer is None:  # nothing trainable to shard: evaluate the module as it is
+            return None
+        assert self.lightning_module is not None
+        # A meta-device model (configure_model at stage 3) is materialised by the engine one
+        # unit at a time on this device.
+        return ZeroEngine(self.lightning_module, optimizer, self.config, device=self.root_device,
+                          param_init_fn=self._param_init_fn)
+
+    def _release(self, slot: _EngineSlot) -> None:
+        """A new fit builds a new engine (new optimizer): give the module back its weights as
+        ordinary tensors first, then drop the old engine's hooks."""
+        engine = slot.engine
+        if engine is None:
+            return
+        state = engine.full_state_dict()
+        engine.close()
+        compute_dtype_kept = engine.config.precision.endswith("-true")
+        with torch.no_grad():
+            for name, param in engine.module.named_parameters():
+                value = state[name].to(self.root_device)
+                param.data = value.to(param.dtype) if compute_dtype_kept else value
+        slot.engine, slot.has_optimizer = None, False
+
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Non-final micro-batches of an accumulation window: no gradient communication."""
+        if self._engine is None:
+            yield
+            return
+        with self._engine.no_sync():
+            yield
+
+    def teardown(self) -> None:
+        # Unlike DDP, the module is neither unwrapped nor moved to CPU: at stage 3 its
+        # parameters are views into the engine's buffers, which stays alive for later
+        # save_checkpoint / evaluation calls.
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the engine must exist to receive its shards
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # restored by the engine
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # sharded: written by the engine (zero_strategy.consolidate assembles it)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return {}  # sharded: written by the engine
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # done by load_checkpoint through the engine
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # done by load_checkpoint through the engine
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
+                        storage_options: Any | None = None) -> None:
+        """Every rank writes its shard into the directory ``filepath``; rank 0 adds the
+        Lightning state (loops, callbacks, schedulers, hyperparameters)."""
+        if storage_options is not None:
+            raise TypeError("ZeroStrategy.save_checkpoint writes through the engine: "
+                            "storage_options is not supported")
+        engine = self.require_engine("save a checkpoint")
+        path = Path(self.broadcast(str(filepath)))
+        groups = group_hyperparameters(engine.user_optimizer) if (
+            self._engine_has_optimizer) else None
+        lightning_state = {k: v for k, v in checkpoint.items() if k not in _NOT_SAVED}
+        save_engine_checkpoint(engine, path, {"lightning": lightning_state,
+                                              "param_groups": groups})
+
+    def load_checkpoint(self, checkpoint_path: _PATH,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        engine = self.require_engine("load a checkpoint")
+        path = Path(self.broadcast(str(checkpoint_path)))
+        meta = load_engine_checkpoint(engine, path, self._engine_has_optimizer,
+                                      type(self).__name__, weights_only)
+        if self._engine_has_optimizer and meta.get("param_groups") is not None:
+            restore_hyperparameters(engine.user_optimizer, meta["param_groups"])
+        return dict(meta["lightning"])
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, preset in PRESETS.items():
+            strategy_registry.register(name, cls, description=PRESET_DESCRIPTIONS[name],
+                                       override=True, **preset)
+
+
+def consolidate_checkpoint(
+    checkpoint_dir: _PATH, output_file: _PATH | None = None, *, tag: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> dict[str, Any]:
+    """A ``ZeroStrategy`` checkpoint directory as one ordinary Lightning checkpoint.
+
+    The consolidated weights (fp32 masters, or ``dtype``) go under ``state_dict`` beside the
+    saved Lightning state (hyperparameters, loops, callbacks), so
+    ``LightningModule.load_from_checkpoint(output_file)`` works; written with ``torch.save``
+    when ``output_file`` is given. Runs in a single process (no process group needed).
+    """
+    meta = read_client_state(checkpoint_dir, "ZeroStrategy", tag)
+    state_dict = consolidate(checkpoint_dir, tag=tag, dtype=dtype)
+    checkpoint = {**meta["lightning"], "state_dict": state_dict}
+    if output_file is not None:
+        torch.save(checkpoint, output_file)
+    return checkpoint
+
+
+ZeroStrategy.register_strategies(StrategyRegistry)
