@@ -235,8 +235,16 @@ def decode_state(client: dict[str, Any] | None, path: Path, owner: str,
             "ZeroEngine.save_checkpoint directly?): load it with engine.load_checkpoint"
         )
     data = io.BytesIO(client[CLIENT_KEY].numpy().tobytes())
-    # None means trusted, as Lightning's own torch.load of .ckpt files does by default.
-    return torch.load(data, map_location="cpu", weights_only=bool(weights_only))
+    # Passed through as Lightning does for local .ckpt files: None leaves it to torch, whose
+    # default is weights_only=True, so a checkpoint cannot run code unless the user says so.
+    try:
+        return torch.load(data, map_location="cpu", weights_only=weights_only)
+    except Exception as e:  # the unpickler refused a type, or the bytes are damaged
+        raise ValueError(
+            f"{str(path)!r}: {owner}'s saved state cannot be loaded with weights_only="
+            f"{weights_only!r} ({e}); if you trust this checkpoint, pass weights_only=False "
+            "(e.g. trainer.fit(..., weights_only=False))"
+        ) from e
 
 
 def read_client_state(path: _PATH, owner: str, tag: str | None = None) -> dict[str, Any]:
