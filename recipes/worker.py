@@ -60,6 +60,12 @@ def main(config_file: str) -> None:
     )
     trainer.fit(module, datamodule=data)
     metrics.finish(trainer, module)
+    # Shut the group down while every rank is alive: left to interpreter exit, gloo's threads
+    # can be torn down mid-flight and abort the process after a successful run.
+    from zero_strategy.collectives import destroy_default_group
+
+    torch.distributed.barrier()
+    destroy_default_group()
 
 
 if __name__ == "__main__":

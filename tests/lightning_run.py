@@ -128,6 +128,7 @@ class Recorder(Callback):
         self.lr: list[float] = []
         self.reduce_bytes: list[int] = []
         self.ref_norm: list[float] = []
+        self.ref_max: list[float] = []
         self.summary: dict[str, int] = {}
         self._before = 0
 
@@ -158,6 +159,7 @@ class Recorder(Callback):
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         if grads:  # only DDP leaves gradients on the parameters (before clipping)
             self.ref_norm.append(float(torch.nn.utils.get_total_norm(grads)))
+            self.ref_max.append(max(float(g.abs().max()) for g in grads))
 
 
 def trainer(strategy: Any, max_steps: int, callbacks: list[Callback] | None = None,
@@ -275,6 +277,18 @@ def bf16() -> dict[str, Any]:
             "master": sorted({str(v.dtype) for v in engine.full_state_dict().values()})}
 
 
+def value_clip(strategy: Any, reference: bool = False) -> dict[str, Any]:
+    """gradient_clip_algorithm="value": the engine clamps its shards elementwise."""
+    rec, model = Recorder(), MLPModule()
+    t = trainer(strategy, 2 * K, [rec], gradient_clip_algorithm="value", gradient_clip_val=0.5)
+    t.fit(model, loader(1))
+    weights = weights_of(t, model)
+    if reference:
+        REF["value_weights"] = weights
+    return {"loss": rec.loss, "rel_vs_ddp": rel_diff(weights, REF["value_weights"]),
+            "largest_grad": max(rec.ref_max) if rec.ref_max else None}
+
+
 def trainer_suite(results: Results, out: Path) -> None:
     results.run("ddp", reference)
     strategies: dict[str, Callable[[], Any]] = {
@@ -284,6 +298,8 @@ def trainer_suite(results: Results, out: Path) -> None:
         stage=3, unit_numel=500, param_persistence_threshold=40, timeout=TIMEOUT)
     for name, make in strategies.items():
         results.run(name, lambda make=make, name=name: preset(make, name, out))
+    results.run("ddp_value", lambda: value_clip(DDPStrategy(timeout=TIMEOUT), reference=True))
+    results.run("zero3_value", lambda: value_clip("zero3"))
     results.run("bf16", bf16)
     results.run("two_optimizers", two_optimizers)
 

@@ -25,7 +25,8 @@ def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def parity(kind: str, stage: int, opt: str = "adamw", freeze: bool = False, steps: int = 6,
-           accum: int = 2, clip: float = 0.05, **extra) -> dict:
+           accum: int = 2, clip: float = 0.05, clip_value: float | None = None,
+           **extra) -> dict:
     """Train the engine beside DDP on the same per-rank data; compare every step and the end."""
     rank = dist.get_rank()
     ref, model = make_model(kind), make_model(kind)
@@ -50,10 +51,16 @@ def parity(kind: str, stage: int, opt: str = "adamw", freeze: bool = False, step
                 le = loss_of(kind, engine, data) / accum
                 engine.backward(le)
             ref_loss, loss = ref_loss + lr.item(), loss + le.item()
-        out["ref_norm"].append(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
+        if clip_value is None:
+            out["ref_norm"].append(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
+            out["norm"].append(engine.clip_grad_norm_(clip).item())
+        else:  # record the largest element before clamping: the clamp must engage
+            out["ref_norm"].append(max(p.grad.abs().max().item() for p in ref.parameters()))
+            torch.nn.utils.clip_grad_value_(ref.parameters(), clip_value)
+            out["norm"].append(engine.get_global_grad_norm(float("inf")).item())
+            engine.clip_grad_value_(clip_value)
         ref_opt.step()
         ref_opt.zero_grad()
-        out["norm"].append(engine.clip_grad_norm_(clip).item())
         engine.step()
         out["ref_loss"].append(ref_loss)
         out["loss"].append(loss)
@@ -195,5 +202,8 @@ if __import__("os").environ.get("WORLD_SIZE") == "2":
         register(f"memory_stage{_stage}", memory, stage=_stage)
         register(f"no_sync_stage{_stage}", no_sync_skips_communication, stage=_stage)
     register("parity_stage3_no_prefetch", parity, kind="gpt2", stage=3, prefetch=False)
+    for _stage in (0, 2, 3):
+        register(f"parity_clip_value_stage{_stage}", parity, kind="mlp", stage=_stage,
+                 clip_value=0.01)
     register("bad_input", bad_input)
     register("meta_init", meta_init)

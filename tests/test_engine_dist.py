@@ -68,6 +68,12 @@ def test_module_called_twice_per_step(world2: dict, stage: int) -> None:
     assert_parity(check(world2[f"parity_twice_stage{stage}"]))
 
 
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_clip_by_value_matches_torch(world2: dict, stage: int) -> None:
+    # "norm" here is the largest |gradient element| (inf-norm), before the clamp at 0.01
+    assert_parity(check(world2[f"parity_clip_value_stage{stage}"]), clip=0.01)
+
+
 def test_stage3_without_prefetch(world2: dict) -> None:
     assert_parity(check(world2["parity_stage3_no_prefetch"]))
 

@@ -1,4 +1,4 @@
-"""zero_strategy: ZeRO (arXiv:1910.02054) from scratch on torch.distributed."""
+"""zero_strategy: ZeRO (arXiv:1910.02054) written from scratch on PyTorch's collectives."""
 
 from ._registration import install as _install_strategy_names
 from .checkpoint import CheckpointError

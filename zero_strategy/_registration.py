@@ -19,8 +19,21 @@ _ADAPTERS = {"lightning.pytorch": "zero_strategy.lightning",
              "lightning.fabric": "zero_strategy.fabric"}
 
 
-def _register(trigger: str) -> None:
-    importlib.import_module(_ADAPTERS[trigger])
+def _adapter_initializing(ready: str | None = None) -> bool:
+    for name in _ADAPTERS.values():
+        module = sys.modules.get(name)
+        if name == ready:  # the caller: its names are all defined by now
+            continue
+        if module is not None and getattr(module.__spec__, "_initializing", False):
+            return True
+    return False
+
+
+def _register(trigger: str, ready: str | None = None) -> None:
+    # An adapter mid-import (``import zero_strategy.fabric`` pulls in Lightning) cannot be
+    # re-entered; it calls install() again once its own names exist.
+    if not _adapter_initializing(ready):
+        importlib.import_module(_ADAPTERS[trigger])
 
 
 class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -53,11 +66,13 @@ class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return spec
 
 
-def install() -> None:
+def install(ready: str | None = None) -> None:
+    """Register now for every Lightning part already imported, later for the others.
+    ``ready``: an adapter calling this at the end of its own import."""
     pending = False
     for trigger in _TRIGGERS:
         if trigger in sys.modules:
-            _register(trigger)
+            _register(trigger, ready)
         elif importlib.util.find_spec("lightning") is not None:
             pending = True
     if pending and not any(isinstance(f, _AfterImport) for f in sys.meta_path):

@@ -73,13 +73,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import yaml
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DynamoBackend, convert_to_fp32
 from torch import nn
 
+from . import collectives
 from .config import PRECISIONS, LossScaleConfig, ZeroConfig
 from .engine import ZeroEngine
 
@@ -267,7 +267,7 @@ class ZeroModel(nn.Module):
         return {f"{prefix}module.{key}": value for key, value in full.items()}
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        raise NotImplementedError(
+        raise RuntimeError(
             "a ZeRO-sharded model cannot load a full state dict in place; load weights into the "
             "model before accelerator.prepare(), or resume with accelerator.load_state()"
         )
@@ -299,12 +299,12 @@ class ZeroOptimizer(AcceleratedOptimizer):
             self.engine.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError(
+        raise RuntimeError(
             "the optimizer state is sharded across ranks; save it with accelerator.save_state()"
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        raise NotImplementedError(
+        raise RuntimeError(
             "the optimizer state is sharded across ranks; restore it with accelerator.load_state()"
         )
 
@@ -446,8 +446,9 @@ class ZeroAccelerator(Accelerator):
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         if self._zero_model is None:
             return super().clip_grad_value_(parameters, clip_value)
-        raise NotImplementedError("clip_grad_value_ is not supported by ZeroAccelerator; "
-                                  "use clip_grad_norm_ (global norm over shards)")
+        self._check_all_parameters(parameters, "clip_grad_value_")
+        if self.sync_gradients:  # like clip_grad_norm_: only reduced gradients can be clipped
+            self.engine.clip_grad_value_(float(clip_value))
 
     def _check_all_parameters(self, parameters: Iterable[torch.Tensor], what: str) -> None:
         given = {id(p) for p in parameters}
@@ -561,8 +562,8 @@ def _has_accelerator_device() -> bool:
 
 def _ensure_process_group(device: torch.device, num_processes: int) -> None:
     """The engine needs torch.distributed; a plain ``python script.py`` gets a group of one."""
-    if dist.is_initialized():
-        world = dist.get_world_size()
+    if collectives.group_is_initialized():
+        world = collectives.group_size()
     else:
         world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != num_processes:  # e.g. every rank would read the whole data set
@@ -572,6 +573,5 @@ def _ensure_process_group(device: torch.device, num_processes: int) -> None:
             "PartialState() on a machine without GPUs); create the ZeroAccelerator first, or "
             "pass cpu=True to what created the state"
         )
-    if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if not collectives.group_is_initialized():
+        collectives.init_single_process_group(device)

@@ -17,6 +17,26 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def group_is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def group_size() -> int:
+    """World size of the default group (1 when none exists)."""
+    return dist.get_world_size() if group_is_initialized() else 1
+
+
+def init_single_process_group(device: torch.device) -> None:
+    """A group of one, for a script run without a launcher (no rendezvous needed)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def destroy_default_group() -> None:
+    if group_is_initialized():
+        dist.destroy_process_group()
+
+
 class Handle(Protocol):
     def wait(self) -> object: ...
 

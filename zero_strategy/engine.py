@@ -140,6 +140,17 @@ class ZeroEngine:
         with record_function("zero::clip_grad_norm"):
             return self.optimizer.clip_grad_norm_(max_norm, norm_type)
 
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every gradient element to [-clip_value, clip_value]. Elementwise, so clamping
+        each rank's (unscaled) shard is exactly torch.nn.utils.clip_grad_value_ on the whole."""
+        self._require_reduced_grads("clip_grad_value_")
+        if not clip_value > 0:
+            raise ValueError(f"clip_value must be > 0, got {clip_value!r}")
+        self._unscale()
+        with record_function("zero::clip_grad_value"):
+            for g in self.optimizer.master_grads():
+                g.clamp_(-clip_value, clip_value)
+
     def get_global_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         self._require_reduced_grads("get_global_grad_norm")
         self._unscale()

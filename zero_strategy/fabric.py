@@ -35,6 +35,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.types import _PATH
 from torch import nn
 
+from . import collectives
 from .checkpoint import MANIFEST
 from .checkpoint import resolve as resolve_checkpoint
 from .config import PRECISIONS, ZeroConfig
@@ -340,8 +341,7 @@ class _LaunchedWorld:
     def end(self, timeout: float = 300.0) -> None:
         for proc in self.procs:
             proc.wait(timeout=timeout)  # they finish the job the parent has just finished
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        collectives.destroy_default_group()
         for key, value in self.env_before.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -512,7 +512,7 @@ class ZeroFabricStrategy(DDPStrategy):
         return module if optimizer is None else self._wrap(module, optimizer)
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        raise NotImplementedError(self._err_msg_joint_setup_required())
+        raise RuntimeError(self._err_msg_joint_setup_required())
 
     def _wrap(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> EngineModule:
         engine = ZeroEngine(module, optimizer, self.config, device=self.root_device,
@@ -570,10 +570,7 @@ class ZeroFabricStrategy(DDPStrategy):
 
     def clip_gradients_value(self, module: nn.Module, optimizer: torch.optim.Optimizer,
                              clip_val: float | int) -> None:
-        raise NotImplementedError(
-            f"{type(self).__name__} clips by the global norm over shards only: use "
-            "fabric.clip_gradients(model, optimizer, max_norm=...) instead of clip_val="
-        )
+        self._engine_for(module, optimizer).clip_grad_value_(float(clip_val))
 
     # ------------------------------------------------------------------ checkpoints
     def _split_state(self, state: dict[str, Any]) -> tuple[ZeroEngine, dict[str, str], dict]:
@@ -666,3 +663,8 @@ def _is_stateful(obj: Any) -> bool:
 
 
 ZeroFabricStrategy.register_strategies(STRATEGY_REGISTRY)
+
+# Lightning was imported by this module: register the Trainer names too (see _registration).
+from ._registration import install as _install_strategy_names  # noqa: E402
+
+_install_strategy_names(ready=__name__)

@@ -139,14 +139,9 @@ class ZeroPrecision(Precision):
         if clip_val is None or clip_val <= 0:
             return
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-            raise ValueError(_VALUE_CLIP_MESSAGE)
-        self._engine().clip_grad_norm_(float(clip_val))
-
-
-_VALUE_CLIP_MESSAGE = (
-    "ZeroStrategy clips by the global norm over shards only: gradient_clip_algorithm must be "
-    "'norm' (got 'value'); use Trainer(gradient_clip_val=..., gradient_clip_algorithm='norm')"
-)
+            self._engine().clip_grad_value_(float(clip_val))
+        else:
+            self._engine().clip_grad_norm_(float(clip_val))
 
 
 def _one_optimizer_message(count: int) -> str:
@@ -264,10 +259,6 @@ class ZeroStrategy(DDPStrategy):
 
     def check_trainer(self, trainer: pl.Trainer, model: pl.LightningModule | None = None) -> None:
         """Settings the engine cannot honour, refused before any process starts."""
-        if trainer.gradient_clip_val and (
-            trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE
-        ):
-            raise ValueError(_VALUE_CLIP_MESSAGE)
         if model is not None and trainer.state.fn == TrainerFn.FITTING:
             count = _count_optimizers(model)
             if count is not None and count != 1:
