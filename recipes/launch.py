@@ -49,7 +49,8 @@ def run_job(cfg: DictConfig, out: Path | None = None) -> float:
 def summary(m: dict) -> str:
     mib = 2.0**20
     lines = [f"[{m['name']}] {m['strategy']} x{m['world_size']}: "
-             f"loss {m['first_loss']:.3f} -> {m['train_loss']:.3f} (val {m['val_loss']:.3f}), "
+             f"loss {m['first_loss']:.3f} -> {m['train_loss']:.3f} (val {m['val_loss']:.3f}"
+             + (f", val acc {m['val_acc']:.1%}" if m.get("val_acc") is not None else "") + "), "
              f"{m['samples_per_s']:.1f} samples/s, {m['tokens_per_s']:.0f} tokens/s, "
              f"{m['comm_bytes_per_step'] / mib:.2f} MiB sent/step/rank"]
     for r in m["ranks"]:
