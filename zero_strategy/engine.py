@@ -18,7 +18,6 @@ from .config import ZeroConfig
 from .hooks import HookSet
 from .materialize import InitFn, Materializer, has_meta
 from .memory import estimate_memory, storage_bytes
-from .offload import release_host_memory
 from .optimizer import ShardedOptimizer
 from .plan import make_plan
 from .precision import LossScaler
@@ -73,8 +72,6 @@ class ZeroEngine:
         self.global_step = 0
         self.skipped_steps = 0
         self._buffers = [b for b in model.buffers() if b is not None]
-        # On CPU the model states live in the host heap; on GPUs they do not.
-        self._trim_host_heap = self.device.type == "cpu" or self.plan.offload_optimizer
 
     # ------------------------------------------------------------------ setup helpers
     def _prepare_unmanaged(self, model: nn.Module, managed_ids: set[int]) -> None:
@@ -194,8 +191,6 @@ class ZeroEngine:
         else:
             self.skipped_steps += 1
         self.zero_grad()
-        if self._trim_host_heap:
-            release_host_memory()
         return stepped
 
     def zero_grad(self) -> None:

@@ -26,28 +26,3 @@ def synchronize(device: torch.device) -> None:
     """Wait for non-blocking host<->device copies before the host reads what they wrote."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
-
-
-def _load_malloc_trim():  # noqa: ANN202
-    try:
-        import ctypes
-        import ctypes.util
-
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim if hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
-
-
-_MALLOC_TRIM = _load_malloc_trim()
-
-
-def release_host_memory() -> None:
-    """Give freed host heap pages back to the OS (glibc only; a no-op elsewhere).
-
-    Each step frees large transient buffers (gathered parameters, full-size gradient buffers,
-    reduce outputs) that glibc keeps in its heap while anything younger sits above them, so a
-    CPU run's resident memory would grow to the high-water mark of every step's transients.
-    """
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
