@@ -290,9 +290,6 @@ class ZeroOptimizer(AcceleratedOptimizer):
             raise ValueError("ZeroOptimizer.step does not take a closure")
         if self.gradient_state.sync_gradients:
             self._is_overflow = not self.engine.step()  # False: fp16 overflow, step skipped
-            # The user's optimizer.step never runs; tell its LR schedulers a step happened, as
-            # their step-counting wrapper would, so they do not warn about the call order.
-            self.optimizer._opt_called = True
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         if self.gradient_state.sync_gradients:

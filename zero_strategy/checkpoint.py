@@ -122,7 +122,7 @@ def save(engine: ZeroEngine, directory: str | os.PathLike, *, tag: str | None = 
         name = shard_file(shard_index)
         files[name] = _save_tensors(tensors, tmp / name)
     if comm.rank == 0:
-        files[MODULE_FILE] = _save_tensors(_unmanaged_state(engine), tmp / MODULE_FILE)
+        files[MODULE_FILE] = _save_tensors(engine.unmanaged_state(), tmp / MODULE_FILE)
         if client_state is not None:
             _save_client_state(client_state, tmp / CLIENT_FILE)
     state_keys = sorted({k.split(".", 1)[1] for k in tensors if not k.endswith(".master")})
@@ -176,12 +176,6 @@ def _shard_tensors(
                 out[name] = torch.zeros(seg.unit.layout.shard_numel, dtype=value.dtype)
             out[name][seg.start : seg.end] = value.detach().cpu()
     return out, scalars
-
-
-def _unmanaged_state(engine: ZeroEngine) -> dict[str, torch.Tensor]:
-    managed = {id(p) for u in engine.units for p in u.params}
-    return {k: v for k, v in engine.module.state_dict(keep_vars=True).items()
-            if id(v) not in managed}
 
 
 def _save_client_state(state: dict[str, Any], path: Path) -> None:

@@ -179,19 +179,30 @@ class ZeroEngine:
             stepped = not overflow
         if stepped:
             self.optimizer.step()
-            with record_function("zero::update_params"):
-                handles = [u.param_store.after_step(self.comm) for u in self.units]
-                for handle in handles:
-                    if handle is not None:
-                        handle.wait()
+            self.refresh_compute_copies()
             self.global_step += 1
-            # torch's LR schedulers warn unless the optimizer they wrap was stepped; the
-            # engine steps its inner copy, so record the step on the user's object.
-            self.user_optimizer._opt_called = True  # type: ignore[attr-defined]
         else:
             self.skipped_steps += 1
+        # torch's LR schedulers warn unless the optimizer they wrap was stepped; the engine
+        # steps its inner copy (or skips on overflow), so record the call on the user's object.
+        self.user_optimizer._opt_called = True  # type: ignore[attr-defined]
         self.zero_grad()
         return stepped
+
+    def refresh_compute_copies(self) -> None:
+        """Propagate every unit's master shard into the copy forward reads (all-gathers
+        launched together, then waited)."""
+        with record_function("zero::update_params"):
+            handles = [u.param_store.after_step(self.comm) for u in self.units]
+            for handle in handles:
+                if handle is not None:
+                    handle.wait()
+
+    def unmanaged_state(self) -> dict[str, torch.Tensor]:
+        """The module's buffers and frozen parameters, by state_dict key (kept whole)."""
+        managed = {id(p) for u in self.units for p in u.params}
+        return {k: v for k, v in self.module.state_dict(keep_vars=True).items()
+                if id(v) not in managed}
 
     def zero_grad(self) -> None:
         for unit in self.units:
@@ -233,10 +244,10 @@ class ZeroEngine:
     def memory_report(self) -> dict[str, int | float | str]:
         """Model-state bytes this rank holds now, beside the ZeRO formula's prediction."""
         seen: set[int] = set()
-        params = storage_bytes([t for u in self.units
-                                for t in u.param_store.held_tensors()["params"]], seen)
+        held = [u.param_store.held_tensors() for u in self.units]
+        params = storage_bytes([t for h in held for t in h["params"]], seen)
         grads = storage_bytes([t for u in self.units for t in u.grad_store.held_tensors()], seen)
-        masters = [t for u in self.units for t in u.param_store.held_tensors()["master"]]
+        masters = [t for h in held for t in h["master"]]
         optim = storage_bytes(masters + self.optimizer.state_tensors(), seen)
         predicted = self.predicted_memory()
         padding = sum(u.layout.padded_numel - u.layout.numel for u in self.units)

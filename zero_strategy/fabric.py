@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import itertools
-import json
 import os
 import subprocess
 import sys
@@ -35,9 +34,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.types import _PATH
 from torch import nn
 
-from . import collectives
-from .checkpoint import MANIFEST
-from .checkpoint import resolve as resolve_checkpoint
+from . import collectives, reshard
 from .config import PRECISIONS, ZeroConfig
 from .engine import ZeroEngine
 
@@ -172,15 +169,6 @@ def backward_kwargs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, 
     return {**dict(zip(names, args)), **kwargs}
 
 
-def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
-    """Record that the user's optimizer stepped (the engine stepped its inner copy).
-
-    torch's LR schedulers patch ``optimizer.step`` to set this flag and warn "lr_scheduler.step()
-    before optimizer.step()" (as if the first LR value were skipped) when it is missing.
-    """
-    optimizer._opt_called = True  # type: ignore[attr-defined]
-
-
 def group_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """The user optimizer's hyperparameters (lr, betas, ...), without the parameters.
 
@@ -250,13 +238,7 @@ def decode_state(client: dict[str, Any] | None, path: Path, owner: str,
 
 def read_client_state(path: _PATH, owner: str, tag: str | None = None) -> dict[str, Any]:
     """The framework state of a checkpoint directory, read in one process (no engine)."""
-    tag_dir = resolve_checkpoint(path, tag)
-    manifest = json.loads((tag_dir / MANIFEST).read_text())
-    client_file = manifest.get("client_state")
-    client = None
-    if client_file:
-        client = torch.load(tag_dir / client_file, map_location="cpu", weights_only=True)
-    return decode_state(client, Path(path), owner)
+    return decode_state(reshard.read_client_state(path, tag), Path(path), owner)
 
 
 # ---------------------------------------------------------------------- Hydra-aware launching
@@ -550,7 +532,6 @@ class ZeroFabricStrategy(DDPStrategy):
         result = closure() if closure is not None else None
         engine = self._engine_for(optimizer=optimizer)
         engine.step()
-        mark_stepped(engine.user_optimizer)
         return result
 
     def clip_gradients_norm(

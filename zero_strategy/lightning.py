@@ -53,7 +53,6 @@ from .fabric import (
     group_hyperparameters,
     has_meta_tensors,
     load_engine_checkpoint,
-    mark_stepped,
     merge_precision,
     placeholder_optimizer,
     precision_explicit,
@@ -129,7 +128,6 @@ class ZeroPrecision(Precision):
             return None  # training_step returned None: no backward, nothing to step
         engine = self._engine()
         engine.step()
-        mark_stepped(engine.user_optimizer)
         return result
 
     def clip_gradients(

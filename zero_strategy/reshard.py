@@ -200,10 +200,8 @@ def load(engine: ZeroEngine, directory: str | os.PathLike, *, tag: str | None = 
                 master[piece.shard_start : piece.shard_start + piece.numel].copy_(
                     reader.read_range(piece.slot.name, "master", piece.slot_start,
                                       piece.slot_start + piece.numel))
-            handle = unit.param_store.after_step(engine.comm)  # refresh the compute copies
-            if handle is not None:
-                handle.wait()
-        for key, tensor in _unmanaged(engine).items():
+        engine.refresh_compute_copies()
+        for key, tensor in engine.unmanaged_state().items():
             tensor.copy_(reader.module_tensor(key))
     if load_optimizer:
         _load_optimizer_state(engine, reader, rank)
@@ -213,12 +211,6 @@ def load(engine: ZeroEngine, directory: str | os.PathLike, *, tag: str | None = 
         engine.scaler.load_state_dict(state["loss_scaler"])
     engine.comm.barrier()
     return _load_client_state(path, reader.manifest)
-
-
-def _unmanaged(engine: ZeroEngine) -> dict[str, torch.Tensor]:
-    managed = {id(p) for u in engine.units for p in u.params}
-    return {k: v for k, v in engine.module.state_dict(keep_vars=True).items()
-            if id(v) not in managed}
 
 
 def _check_same_model(engine: ZeroEngine, reader: CheckpointReader) -> None:
@@ -234,7 +226,7 @@ def _check_same_model(engine: ZeroEngine, reader: CheckpointReader) -> None:
             [f"{n} {list(saved[n])} vs {list(current[n])}" for n in current
              if n in saved and saved[n] != current[n]],
         "buffers or frozen parameters missing from the checkpoint":
-            [k for k in _unmanaged(engine) if k not in saved_module],
+            [k for k in engine.unmanaged_state() if k not in saved_module],
     }
     problems = [f"{len(v)} {kind} (e.g. {', '.join(v[:3])})" for kind, v in kinds.items() if v]
     if problems:
@@ -278,6 +270,13 @@ def _load_optimizer_state(engine: ZeroEngine, reader: CheckpointReader, rank: in
         new_state[index[id(seg.view)]] = entry
     state_dict["state"] = new_state
     inner.load_state_dict(state_dict)
+
+
+def read_client_state(directory: str | os.PathLike, tag: str | None = None
+                      ) -> dict[str, Any] | None:
+    """The client state saved with a checkpoint (None if none was), without an engine."""
+    path = resolve(directory, tag)
+    return _load_client_state(path, CheckpointReader(path).manifest)
 
 
 def _load_client_state(path: Path, manifest: dict[str, Any]) -> dict[str, Any] | None:
