@@ -37,6 +37,7 @@ from torch import nn
 from . import collectives, reshard
 from .config import PRECISIONS, ZeroConfig
 from .engine import ZeroEngine
+from .materialize import meta_init
 
 # Mirrors Lightning's deepspeed_stage_* presets: "_offload" moves what the stage shards to CPU.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -469,9 +470,12 @@ class ZeroFabricStrategy(DDPStrategy):
     # ------------------------------------------------------------------ model setup
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
         """``fabric.init_module(empty_init=True)`` at stage 3 builds on the meta device; the
-        engine materialises unit by unit, so no rank ever holds the whole model."""
+        engine materialises unit by unit, so no rank ever holds the whole model. ``meta_init``
+        records the construction order, so the weights (and the generator afterwards) are
+        those of building the model eagerly on this device (README: "Building large models:
+        sharded init")."""
         if self.config.stage == 3 and empty_init:
-            return torch.device("meta")
+            return meta_init(self.root_device, self._param_init_fn)
         return super().module_init_context(empty_init=empty_init)
 
     def module_to_device(self, module: nn.Module) -> None:
