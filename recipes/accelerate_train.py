@@ -250,6 +250,11 @@ def main(argv: list[str] | None = None) -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"rank{record['rank']}.json").write_text(json.dumps(record))
+    # Shut the group down before the interpreter exits: gloo's threads torn down at exit
+    # abort the process ("terminate called without an active exception").
+    from zero_strategy.collectives import destroy_default_group
+
+    destroy_default_group()
 
 
 if __name__ == "__main__":

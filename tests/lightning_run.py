@@ -16,6 +16,8 @@ several seconds per process, so tests share launches):
              new Trainer; evaluate from the checkpoint in a fresh Trainer; consolidate and
              load_from_checkpoint; a bf16-mixed run; two optimizers refused.
     fabric   the same for Fabric (tests/lightning_fabric_scenarios.py).
+    init     sharded init (configure_model / init_module(empty_init=True) at stage 3) starts
+             from DDP's weights and generator state (tests/lightning_init_scenarios.py).
 """
 
 from __future__ import annotations
@@ -37,7 +39,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import lightning.pytorch as L  # noqa: E402
 import torch  # noqa: E402
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from lightning.pytorch.callbacks import (  # noqa: E402
+    BackboneFinetuning,
+    Callback,
+    ModelCheckpoint,
+)
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from lightning.pytorch.utilities.model_summary import ModelSummary  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -46,6 +52,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import zero_strategy as zs  # noqa: E402
 from tests.lightning_fabric_scenarios import fabric_suite  # noqa: E402
+from tests.lightning_init_scenarios import init_suite  # noqa: E402
 from tests.models import MLP  # noqa: E402
 from zero_strategy.lightning import ZeroStrategy, consolidate_checkpoint  # noqa: E402
 
@@ -289,6 +296,52 @@ def value_clip(strategy: Any, reference: bool = False) -> dict[str, Any]:
             "largest_grad": max(rec.ref_max) if rec.ref_max else None}
 
 
+class BackboneModule(MLPModule):
+    """``backbone`` (frozen by BackboneFinetuning until epoch 1) and a head; the optimizer
+    starts with the trainable parameters only, the callback adds the backbone's group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(self.net.inp, nn.ReLU(), self.net.blocks[0])
+        self.head = nn.Sequential(self.net.norm, self.net.out)
+        del self.net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+class EpochWeights(Callback):
+    """The consolidated backbone weights at the end of each epoch."""
+
+    def __init__(self) -> None:
+        self.backbone: list[dict[str, torch.Tensor]] = []
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        weights = weights_of(trainer, pl_module)
+        self.backbone.append({k: v for k, v in weights.items() if k.startswith("backbone")})
+
+
+def finetune(strategy: Any) -> dict[str, Any]:
+    """BackboneFinetuning through the strategy: the backbone is frozen at construction, then
+    unfrozen and added to the optimizer at epoch 1; the engine must follow both."""
+    torch.manual_seed(0)
+    model, epochs = BackboneModule(), EpochWeights()
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()
+               if k.startswith("backbone")}
+    callback = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_lr=1e-3)
+    t = trainer(strategy, 2 * K, [callback, epochs], gradient_clip_val=None)
+    t.fit(model, loader(1))
+    frozen_epoch = max((epochs.backbone[0][k] - v).abs().max().item() for k, v in initial.items())
+    trained_epoch = max((epochs.backbone[1][k] - epochs.backbone[0][k]).abs().max().item()
+                        for k in initial)
+    return {"weights": {k: v.flatten().tolist() for k, v in weights_of(t, model).items()},
+            "frozen_epoch_change": frozen_epoch, "trained_epoch_change": trained_epoch,
+            "groups": len(t.optimizers[0].param_groups)}
+
+
 def trainer_suite(results: Results, out: Path) -> None:
     results.run("ddp", reference)
     strategies: dict[str, Callable[[], Any]] = {
@@ -302,6 +355,10 @@ def trainer_suite(results: Results, out: Path) -> None:
     results.run("zero3_value", lambda: value_clip("zero3"))
     results.run("bf16", bf16)
     results.run("two_optimizers", two_optimizers)
+    results.run("finetune_zero0", lambda: finetune(ZeroStrategy(stage=0, timeout=TIMEOUT)))
+    results.run("finetune_zero2", lambda: finetune("zero2"))
+    results.run("finetune_zero3", lambda: finetune(ZeroStrategy(
+        stage=3, unit_numel=100, param_persistence_threshold=40, timeout=TIMEOUT)))
 
 
 # ---------------------------------------------------------------------- memory suite
@@ -387,7 +444,8 @@ def memory_suite(results: Results, out: Path) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     suite, out_dir = sys.argv[1], Path(sys.argv[2])
-    suites = {"memory": memory_suite, "trainer": trainer_suite, "fabric": fabric_suite}
+    suites = {"memory": memory_suite, "trainer": trainer_suite, "fabric": fabric_suite,
+              "init": init_suite}
     results = Results(out_dir)
     for name in suites if suite == "all" else [suite]:
         suites[name](results, out_dir)

@@ -34,7 +34,9 @@ if TYPE_CHECKING:
     from .engine import ZeroEngine
 
 FORMAT = "zero_strategy.checkpoint"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""v2 records optimizer state per parameter (v1: scalar states per param group)."""
 MANIFEST = "manifest.json"
 MODULE_FILE = "module.safetensors"
 CLIENT_FILE = "client_state.pt"
@@ -128,11 +130,10 @@ def save(engine: ZeroEngine, directory: str | os.PathLike, *, tag: str | None = 
     state_keys = sorted({k.split(".", 1)[1] for k in tensors if not k.endswith(".master")})
     gathered = comm.all_gather_object((files, scalars, state_keys))
     if comm.rank == 0:
-        merged: dict[str, Any] = {"files": {}, "scalar_states": {}, "state_keys": set()}
-        for part_files, part_scalars, part_keys in gathered:  # type: ignore[misc]
+        merged: dict[str, Any] = {"files": {}, "param_states": {}, "state_keys": set()}
+        for part_files, part_states, part_keys in gathered:  # type: ignore[misc]
             merged["files"].update(part_files)
-            for group, values in part_scalars.items():
-                merged["scalar_states"].setdefault(str(group), {}).update(values)
+            merged["param_states"].update(part_states)
             merged["state_keys"].update(part_keys)
         manifest = _manifest(engine, tag, merged, client_state is not None)
         write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
@@ -157,25 +158,32 @@ def _publish(root: Path, tmp: Path, tag: str) -> None:
 
 def _shard_tensors(
     engine: ZeroEngine,
-) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, float]]]:
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
     """This rank's master shards and parameter-sized optimizer states, one flat tensor per
-    unit and key (laid out like the master), and the scalar states (Adam's step) per group."""
+    unit and key (laid out like the master), and per parameter that has optimizer state: its
+    scalar states (Adam's step) and the names of its tensor states."""
     out: dict[str, torch.Tensor] = {}
-    scalars: dict[int, dict[str, float]] = {}
+    states: dict[str, dict[str, Any]] = {}
     for unit in engine.units:
         out[f"u{unit.index}.master"] = unit.param_store.master
     for seg in engine.optimizer.segments:
-        for key, value in engine.optimizer.inner.state.get(seg.view, {}).items():
+        state = engine.optimizer.inner.state.get(seg.view, {})
+        if not state:
+            continue  # never stepped (frozen since construction): no state to restore
+        record = states.setdefault(seg.unit.layout.slots[seg.index].name,
+                                   {"scalars": {}, "tensors": []})
+        for key, value in state.items():
             if not isinstance(value, torch.Tensor):
                 continue
             if value.dim() == 0:
-                scalars.setdefault(seg.group, {})[key] = float(value)
+                record["scalars"][key] = float(value)
                 continue
+            record["tensors"].append(key)
             name = f"u{seg.unit.index}.{key}"
             if name not in out:
                 out[name] = torch.zeros(seg.unit.layout.shard_numel, dtype=value.dtype)
             out[name][seg.start : seg.end] = value.detach().cpu()
-    return out, scalars
+    return out, states
 
 
 def _save_client_state(state: dict[str, Any], path: Path) -> None:
@@ -205,7 +213,7 @@ def _manifest(engine: ZeroEngine, tag: str, merged: dict[str, Any], client: bool
         "params": params, "aliases": aliases,
         "state_dict_keys": list(engine.module.state_dict(keep_vars=True)),
         "units": [_layout_json(u.layout) for u in engine.units],
-        "state_keys": sorted(merged["state_keys"]), "scalar_states": merged["scalar_states"],
+        "state_keys": sorted(merged["state_keys"]), "param_states": merged["param_states"],
         "files": merged["files"], "client_state": CLIENT_FILE if client else None,
     }
 

@@ -121,6 +121,13 @@ class Communicator:
                 t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
+    def all_gather_ints(self, value: int, device: torch.device) -> list[int]:
+        """Every rank's ``value`` (a blocking round trip of 8 bytes per rank)."""
+        mine = torch.tensor([value], dtype=torch.int64, device=device)
+        out = torch.empty(self.world_size, dtype=torch.int64, device=device)
+        self.all_gather(out, mine)
+        return out.tolist()
+
     def all_gather_object(self, obj: object) -> list[object]:
         out: list[object] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)

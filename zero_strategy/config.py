@@ -20,6 +20,8 @@ STAGE3_DEFAULTS: dict[str, Any] = {
     "unit_numel": 1_000_000,
     "param_persistence_threshold": 10_000,
     "prefetch": True,
+    "unit_leaf_classes": (),
+    "check_gather_order": True,
 }
 
 
@@ -81,6 +83,13 @@ class ZeroConfig:
     units gather all their parameters in one collective, so persistence saves no latency here)."""
     prefetch: bool | None = None
     """Stage 3: gather the next unit while the current one computes (default True)."""
+    unit_leaf_classes: tuple[str, ...] | None = None
+    """Stage 3: class names of modules gathered as one unit with everything below them, e.g.
+    a mixture-of-experts layer whose experts do not all run on every rank (default none)."""
+    check_gather_order: bool | None = None
+    """Stage 3: before each gather, check with an 8-byte all-gather that every rank gathers
+    the same unit, and raise naming both instead of exchanging the wrong shards or hanging
+    when ranks run different modules (default True)."""
     offload_optimizer: bool = False
     """Keep the fp32 master shard and optimizer states in CPU memory and step there (stage >= 1)."""
     offload_params: bool = False
@@ -109,8 +118,19 @@ class ZeroConfig:
         for name in ("offload_optimizer", "offload_params", "broadcast_buffers"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.prefetch is not None and not isinstance(self.prefetch, bool):
-            raise ValueError(f"prefetch must be True, False or None, got {self.prefetch!r}")
+        for name in ("prefetch", "check_gather_order"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be True, False or None, got {value!r}")
+        leaves = self.unit_leaf_classes
+        if isinstance(leaves, list):
+            leaves = tuple(leaves)
+            object.__setattr__(self, "unit_leaf_classes", leaves)
+        if leaves is not None and not (
+            isinstance(leaves, tuple) and all(isinstance(c, str) and c for c in leaves)
+        ):
+            raise ValueError(
+                f"unit_leaf_classes must be a list of module class names (str), got {leaves!r}")
         if not isinstance(self.loss_scale, LossScaleConfig):
             raise ValueError(
                 f"loss_scale must be a LossScaleConfig or a dict, got {type(self.loss_scale)!r}"

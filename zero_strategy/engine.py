@@ -13,9 +13,10 @@ from torch import nn
 from torch.profiler import record_function
 
 from . import checkpoint, reshard
+from .access import ParamAccess
 from .collectives import Communicator
 from .config import ZeroConfig
-from .hooks import HookSet
+from .hooks import HookSet, ModulePatches
 from .materialize import InitFn, Materializer, has_meta
 from .memory import estimate_memory, storage_bytes
 from .optimizer import ShardedOptimizer
@@ -55,7 +56,9 @@ class ZeroEngine:
         managed, group_of = _managed_parameters(model, optimizer)
         self.param_names = {id(p): n for n, p in managed}
         self.num_params = sum(p.numel() for _, p in managed)
+        self._original_dtypes = {id(p): p.dtype for _, p in managed}
         self.user_optimizer = optimizer
+        self._optimizer_signature = _signature(optimizer)
         self.units = build_units(model, managed, group_of, self.plan, self.comm, self.device,
                                  materializer)
         if materializer is not None:
@@ -64,11 +67,16 @@ class ZeroEngine:
         self.optimizer = ShardedOptimizer(
             optimizer, self.units, self.comm, self.plan.optimizer_shards
         )
-        self.runtime = Runtime(self.units, self.comm, model, self.plan.prefetch)
+        self.runtime = Runtime(self.units, self.comm, model, self.plan.prefetch,
+                               self.plan.check_gather_order)
         self.hooks = HookSet()
         self.hooks.install(self.units, self.runtime)
+        self.access = ParamAccess(self.units, self.runtime, self.comm, self.param_names)
+        self.patches = ModulePatches(self.access, gathers=self.plan.layout.main.params == "sharded")
+        self.patches.install(model)
         self.scaler = LossScaler(self.config.loss_scale) if self.plan.policy.scales_loss else None
         self._unscaled = False
+        self._closed = False
         self.global_step = 0
         self.skipped_steps = 0
         self._buffers = [b for b in model.buffers() if b is not None]
@@ -91,6 +99,8 @@ class ZeroEngine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_open("forward")
+        self._follow_trainability()
         self.runtime.begin_forward()
         if self.plan.broadcast_buffers and self._buffers:
             with torch.no_grad(), record_function("zero::broadcast_buffers"):
@@ -170,7 +180,9 @@ class ZeroEngine:
 
         Returns False when the step was skipped because fp16 gradients overflowed.
         """
+        self._check_open("step")
         self._require_reduced_grads("step")
+        self._refuse_stray_grads()
         self._unscale()
         stepped = True
         if self.scaler is not None:
@@ -204,12 +216,121 @@ class ZeroEngine:
         return {k: v for k, v in self.module.state_dict(keep_vars=True).items()
                 if id(v) not in managed}
 
+    # ------------------------------------------------------------------ trainability
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"engine.{what}(): the engine was closed; the module is a plain "
+                               "nn.Module again (build a new ZeroEngine to keep training)")
+
+    def _follow_trainability(self) -> None:
+        """Before a forward: hook parameters unfrozen since the last one, and take over
+        parameters the user added to the optimizer (``add_param_group``)."""
+        self.hooks.ensure_grad_hooks(self.units, self.runtime)
+        signature = _signature(self.user_optimizer)
+        if signature != self._optimizer_signature:
+            self._adopt_new_parameters()
+            self._optimizer_signature = signature
+
+    def _adopt_new_parameters(self) -> None:
+        managed, group_of = _managed_parameters(self.module, self.user_optimizer, strict=False)
+        new = [(n, p) for n, p in managed if id(p) not in self.param_names]
+        if not new:
+            return
+        if self.runtime.grads_pending_step or any(u.used.count(True) for u in self.units):
+            raise RuntimeError(
+                f"parameters {[n for n, _ in new][:5]} were added to the optimizer in the "
+                "middle of a step (gradients are pending): add param groups between "
+                "engine.step() and the next forward")
+        stale = [n for n, p in new if p.grad is not None]
+        if stale:
+            raise RuntimeError(f"parameters {stale[:5]} added to the optimizer already hold a "
+                               ".grad from before; set it to None first (optimizer.zero_grad())")
+        self.runtime.reshard_all()
+        units = build_units(self.module, new, group_of, self.plan, self.comm, self.device,
+                            first_index=len(self.units))
+        self.units.extend(units)
+        for name, p in new:
+            self.param_names[id(p)] = name
+            self._original_dtypes[id(p)] = p.dtype
+        self.num_params += sum(p.numel() for _, p in new)
+        self.optimizer.add_units(units)
+        self.hooks.install(units, self.runtime)
+        self.access.add_units(units)
+        self._buffers = [b for b in self.module.buffers() if b is not None]
+
+    def _refuse_stray_grads(self) -> None:
+        """A managed parameter with a ``.grad`` got it outside the engine's hooks (unfrozen
+        after the forward): stepping without it would silently ignore it."""
+        stray = [self.param_names[id(p)] for u in self.units for p in u.params
+                 if p.grad is not None]
+        if stray:
+            raise RuntimeError(
+                f"parameters {stray[:5]} hold a .grad the engine did not reduce: they were "
+                "unfrozen (requires_grad_(True)) after the forward of this step. Change "
+                "requires_grad between engine.step() and the next forward")
+
     def zero_grad(self) -> None:
         for unit in self.units:
             unit.zero_grad()
         self.runtime.grads_pending_step = False
         self.runtime.reshard_all()
         self._unscaled = False
+
+    # ------------------------------------------------------------------ whole parameters
+    def gathered_parameters(
+        self, target: nn.Module | Any = None, *, writable: bool = False,
+        modifier_rank: int | None = None,
+    ) -> contextlib.AbstractContextManager[None]:
+        """Whole parameters of ``target`` (a submodule, an iterable of parameters, or the
+        whole model) inside the context, on every rank (a collective: call it on all).
+
+        With ``writable=True`` edits made inside reach the shards and the masters when the
+        context exits (only edited elements replace the fp32 master under mixed precision);
+        with ``modifier_rank=r`` rank r's values are broadcast first, so only its edit counts.
+        Without ``writable``, an edit is discarded and raises.
+        """
+        self._check_open("gathered_parameters")
+        return self.access.gathered(target, writable, modifier_rank)
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> Any:
+        """Load a full (unsharded) ``model.state_dict()`` into the engine, e.g. pretrained
+        weights: managed parameters' masters get the values at full precision. Every key and
+        shape is checked before anything is written."""
+        self._check_open("load_state_dict")
+        expected = {k: (self.access.place[id(v)][0].layout.slots[self.access.place[id(v)][1]]
+                        .shape if id(v) in self.access.place else tuple(v.shape))
+                    for k, v in self.module.state_dict(keep_vars=True).items()}
+        problems = [f"size mismatch for {k}: {tuple(v.shape)} given, {expected[k]} expected"
+                    for k, v in state_dict.items()
+                    if k in expected and tuple(v.shape) != tuple(expected[k])]
+        if strict:
+            problems += [f"missing key {k!r}" for k in expected if k not in state_dict]
+            problems += [f"unexpected key {k!r}" for k in state_dict if k not in expected]
+        if problems:
+            raise RuntimeError("engine.load_state_dict: nothing was loaded: "
+                               + "; ".join(problems[:10]))
+        self.runtime.reshard_all()
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    def close(self) -> nn.Module:
+        """Give the module back as a plain ``nn.Module`` holding the trained weights (whole,
+        in the dtypes it had, from the masters), with every hook and class swap removed.
+        A collective: call it on every rank."""
+        if self._closed:
+            return self.module
+        self.runtime.reshard_all()
+        with torch.no_grad():
+            for unit in self.units:
+                flat = unit.param_store.gather_master(self.comm)
+                for slot, p in zip(unit.layout.slots, unit.params):
+                    value = flat[slot.offset : slot.end].view(slot.shape)
+                    p.data = value.to(self._original_dtypes[id(p)], copy=True)
+        self.hooks.remove()
+        self.patches.remove()
+        self._closed = True
+        self.units = []
+        self.optimizer.segments = []
+        return self.module
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -290,9 +411,6 @@ class ZeroEngine:
     def eval(self) -> ZeroEngine:
         return self.train(False)
 
-    def close(self) -> None:
-        """Remove every hook the engine installed on the model."""
-        self.hooks.remove()
 
 
 def _single_device(model: nn.Module, wanted: torch.device | str | None,
@@ -328,9 +446,12 @@ def _check_backend(backend: str, device: torch.device) -> None:
 
 
 def _managed_parameters(
-    model: nn.Module, optimizer: torch.optim.Optimizer
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, strict: bool = True
 ) -> tuple[NamedParams, dict[int, int]]:
-    """Trainable parameters (deduplicated, registration order) and their optimizer group."""
+    """The parameters the optimizer holds (deduplicated, registration order; frozen ones too,
+    so unfreezing them later needs nothing but their gradient) and their optimizer group.
+    ``strict``: a trainable parameter outside the optimizer is an error (it would never be
+    updated, and the user most likely forgot it)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
@@ -345,14 +466,36 @@ def _managed_parameters(
                     "is not a parameter of the model: build the optimizer on model.parameters()"
                 )
             group_of[id(p)] = gi
-    managed = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    missing = [n for n, p in managed if id(p) not in group_of]
-    if missing:
+    managed = [(n, p) for n, p in model.named_parameters() if id(p) in group_of]
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
+    if missing and strict:
         raise ValueError(
             f"trainable parameters missing from the optimizer: {missing[:5]}"
             f"{' ...' if len(missing) > 5 else ''}; add them to the optimizer or freeze them "
             "with requires_grad_(False)"
         )
     if not managed:
-        raise ValueError("the model has no trainable parameters (all have requires_grad=False)")
+        raise ValueError("the optimizer holds no parameter of the model: nothing to train")
+    _check_dtypes(managed)
     return managed, group_of
+
+
+_TRAINABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_dtypes(managed: NamedParams) -> None:
+    """The engine keeps parameters in ZeroConfig.precision's dtypes (fp32 masters); a dtype it
+    would silently change (complex, fp64) is refused."""
+    for name, p in managed:
+        if p.dtype not in _TRAINABLE_DTYPES:
+            raise ValueError(
+                f"parameter {name!r} has dtype {p.dtype}: the engine trains float32, bfloat16 "
+                "and float16 parameters (kept in ZeroConfig.precision's dtypes, fp32 masters) "
+                f"and would change a {p.dtype} one. Keep it out of the optimizer (frozen "
+                "parameters of any dtype stay exact), or represent it in float32 (a complex "
+                "parameter as torch.view_as_real)")
+
+
+def _signature(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
+    """Changes when parameters are added to the optimizer (``add_param_group``)."""
+    return tuple(len(g["params"]) for g in optimizer.param_groups)

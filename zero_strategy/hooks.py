@@ -3,6 +3,10 @@
 Persistent hooks (per-parameter gradient hooks, per-unit forward hooks) are kept as handles
 so ``HookSet.remove()`` leaves the model as it was found. Per-forward tensor hooks on module
 outputs live only as long as the autograd graph they belong to.
+
+Module classes are swapped for subclasses that route attribute reads, conversions and state
+dicts through ``access.ParamAccess`` (as FSDP2's ``fully_shard`` swaps in ``FSDPModule``);
+``ModulePatches.remove()`` puts the original classes back.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 if TYPE_CHECKING:
+    from .access import ParamAccess
     from .runtime import Runtime
     from .units import Unit
 
@@ -22,22 +27,36 @@ if TYPE_CHECKING:
 class HookSet:
     def __init__(self) -> None:
         self._handles: list[RemovableHandle] = []
+        self._grad_hooked: set[int] = set()
 
     def install(self, units: list[Unit], runtime: Runtime) -> None:
+        self.ensure_grad_hooks(units, runtime)
         for unit in units:
-            for index, param in enumerate(unit.params):
-                self._handles.append(
-                    param.register_post_accumulate_grad_hook(_grad_hook(runtime, unit, index))
-                )
             if unit.module is not None and unit.param_store.gathers:
                 self._install_forward(unit, runtime)
+
+    def ensure_grad_hooks(self, units: list[Unit], runtime: Runtime) -> None:
+        """Gradient hooks on every managed parameter that requires grad now. torch refuses a
+        hook on a frozen tensor, so a parameter unfrozen later gets its hook here, before
+        the next forward."""
+        for unit in units:
+            for index, param in enumerate(unit.params):
+                if param.requires_grad and id(param) not in self._grad_hooked:
+                    self._grad_hooked.add(id(param))
+                    self._handles.append(
+                        param.register_post_accumulate_grad_hook(_grad_hook(runtime, unit, index))
+                    )
 
     def _install_forward(self, unit: Unit, runtime: Runtime) -> None:
         assert unit.module is not None
 
+        # Collectives and storage resizes cannot be traced: under torch.compile the hooks
+        # run eagerly between graphs.
+        @torch._dynamo.disable
         def pre(module: torch.nn.Module, args: Any) -> None:
             runtime.pre_forward(unit)
 
+        @torch._dynamo.disable
         def post(module: torch.nn.Module, args: Any, output: Any) -> None:
             runtime.post_forward(unit, output)
 
@@ -49,6 +68,64 @@ class HookSet:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._grad_hooked.clear()
+
+
+class ModulePatches:
+    """Swaps each module's class for a subclass that consults ``ParamAccess``."""
+
+    def __init__(self, access: ParamAccess, gathers: bool) -> None:
+        self.access = access
+        self.gathers = gathers
+        self._classes: dict[type, type] = {}
+        self._swapped: list[tuple[torch.nn.Module, type]] = []
+
+    def install(self, model: torch.nn.Module) -> None:
+        for module in model.modules():
+            original = type(module)
+            if original not in self._classes:
+                self._classes[original] = _patched_class(original, self.access, self.gathers)
+            module.__class__ = self._classes[original]
+            self._swapped.append((module, original))
+
+    def remove(self) -> None:
+        for module, original in self._swapped:
+            module.__class__ = original
+        self._swapped.clear()
+
+
+def _patched_class(cls: type, access: ParamAccess, gathers: bool) -> type:
+    def _apply(self: Any, fn: Any, recurse: bool = True) -> Any:
+        access.check_apply(self, fn)
+        return super(patched, self)._apply(fn, recurse)
+
+    def _load_from_state_dict(self: Any, state_dict: dict, prefix: str, local_metadata: Any,
+                              strict: bool, missing: list, unexpected: list,
+                              errors: list) -> None:
+        handled = access.load_own(self, state_dict, prefix, errors)
+        rest = {k: v for k, v in state_dict.items() if k not in handled}
+        super(patched, self)._load_from_state_dict(rest, prefix, local_metadata, strict,
+                                                   missing, unexpected, errors)
+        missing[:] = [k for k in missing if k not in handled]
+
+    def _save_to_state_dict(self: Any, destination: dict, prefix: str, keep_vars: bool) -> None:
+        access.check_save(self, keep_vars)
+        super(patched, self)._save_to_state_dict(destination, prefix, keep_vars)
+
+    def __getattr__(self: Any, name: str) -> Any:
+        value = super(patched, self).__getattr__(name)
+        access.on_read(value)
+        return value
+
+    body: dict[str, Any] = {
+        "_apply": _apply, "_load_from_state_dict": _load_from_state_dict,
+        "_save_to_state_dict": _save_to_state_dict,
+        "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+    }
+    if gathers:  # only stage 3 has parameters to gather on read
+        body["__getattr__"] = __getattr__
+    patched = type(cls.__name__, (cls,), body)
+    return patched
 
 
 def _grad_hook(runtime: Runtime, unit: Unit, index: int) -> Callable[[torch.Tensor], None]:

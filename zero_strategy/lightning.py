@@ -60,6 +60,7 @@ from .fabric import (
     restore_hyperparameters,
     save_engine_checkpoint,
 )
+from .materialize import meta_init
 from .reshard import consolidate
 
 _GENERIC_PLUGINS = (Precision, MixedPrecision, HalfPrecision)
@@ -267,9 +268,11 @@ class ZeroStrategy(DDPStrategy):
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """``configure_model`` (and ``trainer.init_module()``) at stage 3 build on the meta
         device; the engine materialises unit by unit, so no rank holds the whole model.
-        ``empty_init=False`` asks for real tensors."""
+        ``empty_init=False`` asks for real tensors. ``meta_init`` records the construction
+        order, so the weights (and the generator afterwards) are those of building the model
+        eagerly on this device, as DDP does (README: "Building large models: sharded init")."""
         if self.config.stage == 3 and empty_init is not False:
-            with torch.device("meta"):
+            with meta_init(self.root_device, self._param_init_fn):
                 yield
             return
         with super().tensor_init_context(empty_init):
@@ -322,13 +325,7 @@ class ZeroStrategy(DDPStrategy):
         engine = slot.engine
         if engine is None:
             return
-        state = engine.full_state_dict()
-        engine.close()
-        compute_dtype_kept = engine.config.precision.endswith("-true")
-        with torch.no_grad():
-            for name, param in engine.module.named_parameters():
-                value = state[name].to(self.root_device)
-                param.data = value.to(param.dtype) if compute_dtype_kept else value
+        engine.close()  # whole parameters with the trained (master) values, hooks removed
         slot.engine, slot.has_optimizer = None, False
 
     @contextmanager

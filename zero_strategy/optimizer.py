@@ -1,8 +1,11 @@
 """The user's optimizer, rebuilt over this rank's master shards.
 
 The inner optimizer is the same class with the same hyperparameters, given one tensor per
-(unit, param group) slice of the master shard. Elementwise optimizers (SGD, Adam, AdamW, ...)
-then compute exactly what they would on the whole parameters. The user's optimizer object
+parameter piece this rank owns (a view of the master shard). Elementwise optimizers (SGD, Adam,
+AdamW, ...) then compute exactly what they would on the whole parameters, and each parameter
+keeps its own state and step count, so a parameter that gets no gradient on any rank in a step
+(frozen with ``requires_grad_(False)``, or an unused expert) is skipped exactly as torch skips
+a parameter whose ``.grad`` is None. The user's optimizer object
 stays the source of hyperparameters: LR schedulers attached to it keep working because its
 groups are copied onto the inner groups before every step.
 """
@@ -51,13 +54,26 @@ def _rebuild(cls: type[torch.optim.Optimizer], defaults: dict[str, Any],
 
 @dataclass(frozen=True)
 class Segment:
-    """One optimizer tensor: the part of a unit's shard that belongs to one param group."""
+    """One optimizer tensor: the piece of one parameter that lies in this rank's shard."""
 
     unit: Unit
+    index: int
+    """The parameter's slot in the unit's layout."""
     group: int
     start: int
     end: int
     view: torch.Tensor
+
+
+def _segments(units: list[Unit], rank: int) -> list[Segment]:
+    out = []
+    for unit in units:
+        slot_index = {slot.name: i for i, slot in enumerate(unit.layout.slots)}
+        for piece in unit.layout.pieces(rank):
+            start, end = piece.shard_start, piece.shard_start + piece.numel
+            out.append(Segment(unit, slot_index[piece.slot.name], piece.slot.group, start, end,
+                               unit.param_store.master[start:end]))
+    return out
 
 
 class ShardedOptimizer:
@@ -67,19 +83,28 @@ class ShardedOptimizer:
         self.units = units
         self.comm = comm
         self.shards = shards
-        self.segments: list[Segment] = []
+        self.rank = comm.rank if shards > 1 else 0
+        self.segments = _segments(units, self.rank)
         groups: list[list[torch.Tensor]] = [[] for _ in user_optimizer.param_groups]
-        for unit in units:
-            rank = comm.rank if shards > 1 else 0
-            for group, start, end in unit.layout.group_segments(rank):
-                view = unit.param_store.master[start:end]
-                groups[group].append(view)
-                self.segments.append(Segment(unit, group, start, end, view))
+        for seg in self.segments:
+            groups[seg.group].append(seg.view)
         inner_groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": params}
             for g, params in zip(user_optimizer.param_groups, groups)
         ]
         self.inner = _rebuild(type(user_optimizer), user_optimizer.defaults, inner_groups)
+
+    def add_units(self, units: list[Unit]) -> None:
+        """Parameters the engine took over after construction (unfrozen and added to the
+        user's optimizer): their pieces join the inner groups, new groups included."""
+        new = _segments(units, self.rank)  # self.units is the engine's list: already extended
+        self.segments += new
+        while len(self.inner.param_groups) < len(self.user.param_groups):
+            user_group = self.user.param_groups[len(self.inner.param_groups)]
+            hyper = {k: v for k, v in user_group.items() if k not in _IMPLEMENTATION_KEYS}
+            self.inner.add_param_group({**hyper, "params": []})
+        for seg in new:
+            self.inner.param_groups[seg.group]["params"].append(seg.view)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -93,7 +118,8 @@ class ShardedOptimizer:
 
     def _attach_grads(self) -> None:
         for seg in self.segments:
-            seg.view.grad = seg.unit.master_grad[seg.start : seg.end]
+            if seg.unit.stepped[seg.index]:
+                seg.view.grad = seg.unit.master_grad[seg.start : seg.end]
 
     def step(self) -> None:
         self._sync_hyperparameters()

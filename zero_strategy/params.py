@@ -1,10 +1,21 @@
 """A unit's parameters: the compute copy the module sees, and the master shard the optimizer owns.
 
-Module parameters become views into one flat compute buffer per unit, set once at
-construction. Replicated stores keep that buffer for good (stages 0-2). The sharded store
-(stage 3) keeps only this rank's shard and gives the buffer's storage back between uses; the
-views stay valid across gathers because they alias the buffer's storage object, which is
-resized rather than replaced, so tensors saved for backward see the re-gathered values.
+Replicated stores (stages 0-2, and stage 3's small persistent parameters) point the module's
+parameters at views of one flat compute buffer that exists for good.
+
+The sharded store (stage 3) is a state machine over the unit's whole compute copy, and it is
+the only code that changes what the module's parameters hold:
+
+    SHARDED --start_unshard--> GATHERING --finish_unshard--> UNSHARDED --reshard--> SHARDED
+
+- SHARDED: the flat buffer's storage is given back; every parameter holds a placeholder of
+  its full shape expanded from one NaN element (never a tensor over freed memory): shapes and
+  ``numel()`` stay right for code that inspects them (Lightning's ModelSummary), a stray read
+  computes NaN instead of reading freed memory, and a write raises (its elements alias).
+- GATHERING: an all-gather is writing the buffer; parameters still hold the placeholder.
+- UNSHARDED: parameters are views of the gathered buffer. Tensors autograd saved during
+  forward alias the buffer's storage object, which is resized rather than replaced, so they
+  see the re-gathered values in backward.
 """
 
 from __future__ import annotations
@@ -104,6 +115,46 @@ class ParamStore(ABC):
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Tensors held now by category ("params", "master"), for memory accounting."""
 
+    @abstractmethod
+    def write_param(self, index: int, value: torch.Tensor) -> None:
+        """Set parameter ``index`` to ``value`` (its full, unsharded value, identical on every
+        rank): the master at full precision, the compute copy at compute precision."""
+
+    @abstractmethod
+    def adopt_compute_edits(self) -> None:
+        """After user code wrote into the (whole) compute copy: carry the edits into the
+        master. Only elements that differ from the master's rounding count as edited, so an
+        untouched element keeps its full-precision master value under mixed precision."""
+
+    @abstractmethod
+    def was_edited(self) -> bool:
+        """Whether this rank's part of the whole compute copy no longer matches the master
+        (only detectable where the compute copy is not the master itself)."""
+
+    @abstractmethod
+    def discard_compute_edits(self, comm: Communicator) -> None:
+        """Make the whole compute copy equal the master again (collective)."""
+
+    def _merge_into_master(self, edited: torch.Tensor) -> None:
+        lo, hi = self.bounds
+        own = edited[lo:hi]
+        master = self.master.to(own.device)
+        changed = own != master.to(own.dtype)
+        offload.copy_to(self.master, torch.where(changed, own.to(master.dtype), master))
+        offload.synchronize(own.device)
+
+    def shares_storage(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` aliases compute-copy memory this store may give back."""
+        return False
+
+    def _write_master(self, index: int, value: torch.Tensor) -> None:
+        slot = self.layout.slots[index]
+        lo, hi = self.bounds
+        start, end = max(lo, slot.offset), min(hi, slot.end)
+        if start < end:
+            flat = value.reshape(-1)[start - slot.offset : end - slot.offset]
+            self.master[start - lo : end - lo].copy_(flat.to(self.master.dtype))
+
     def gather_master(self, comm: Communicator) -> torch.Tensor:
         """The whole flat master copy (padded), assembled on every rank's compute device."""
         device = self.full.device
@@ -154,6 +205,28 @@ class ReplicatedParams(ParamStore):
     def reshard(self) -> None:
         return None
 
+    def write_param(self, index: int, value: torch.Tensor) -> None:
+        slot = self.layout.slots[index]
+        if not self.master_is_view:
+            self._write_master(index, value)
+        self.full[slot.offset : slot.end].copy_(value.reshape(-1))
+
+    def adopt_compute_edits(self) -> None:
+        if not self.master_is_view:  # else the master is the compute copy: nothing to carry
+            self._merge_into_master(self.full)
+
+    def was_edited(self) -> bool:
+        if self.master_is_view:
+            return False
+        lo, hi = self.bounds
+        own = self.full[lo:hi]
+        return bool((own != self.master.to(own.device, own.dtype)).any())
+
+    def discard_compute_edits(self, comm: Communicator) -> None:
+        handle = self.after_step(comm)
+        if handle is not None:
+            handle.wait()
+
     def after_step(self, comm: Communicator) -> Handle | None:
         lo, hi = self.bounds
         own = self.full[lo:hi]
@@ -192,6 +265,9 @@ class ShardedParams(ParamStore):
         self.full = torch.empty(layout.padded_numel, dtype=policy.compute_dtype,
                                 device=placement.device)
         self._full_nbytes = self.full.untyped_storage().nbytes()
+        self.params = params
+        nan = torch.full((1,), float("nan"), dtype=policy.compute_dtype, device=placement.device)
+        self._placeholders = [nan.expand(slot.shape) for slot in layout.slots]
         _point_params_at(params, layout, self.full)
         self._state = ParamState.UNSHARDED
         self._handle: Handle | None = None
@@ -223,13 +299,52 @@ class ShardedParams(ParamStore):
             self._handle.wait()
             self._handle = None
             self._source = None
+            _point_params_at(self.params, self.layout, self.full)
             self._state = ParamState.UNSHARDED
 
     def reshard(self) -> None:
         self.finish_unshard()  # never free memory a collective is still writing
         if self._state is ParamState.UNSHARDED:
+            for p, placeholder in zip(self.params, self._placeholders):
+                p.data = placeholder
             self.full.untyped_storage().resize_(0)
             self._state = ParamState.SHARDED
+
+    def shares_storage(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is (a view of) this unit's gathered compute copy."""
+        return (self._state is ParamState.UNSHARDED
+                and tensor.untyped_storage().data_ptr() == self.full.untyped_storage().data_ptr())
+
+    def write_param(self, index: int, value: torch.Tensor) -> None:
+        self._write_master(index, value)
+        slot = self.layout.slots[index]
+        lo, hi = self.bounds
+        start, end = max(lo, slot.offset), min(hi, slot.end)
+        if start < end and self.shard is not self.master:
+            flat = value.reshape(-1)[start - slot.offset : end - slot.offset]
+            offload.copy_to(self.shard[start - lo : end - lo], flat.to(self.shard.dtype))
+            offload.synchronize(self.full.device)
+        if self._state is ParamState.UNSHARDED:
+            self.full[slot.offset : slot.end].copy_(value.reshape(-1))
+
+    def adopt_compute_edits(self) -> None:
+        if self._state is not ParamState.UNSHARDED:
+            return  # nothing was exposed, so nothing can have been edited
+        lo, hi = self.bounds
+        if self.shard is not self.master:
+            self._merge_into_master(self.full)
+        offload.copy_to(self.shard, self.full[lo:hi])
+        offload.synchronize(self.full.device)
+
+    def was_edited(self) -> bool:
+        if self._state is not ParamState.UNSHARDED:
+            return False
+        lo, hi = self.bounds
+        return bool((self.full[lo:hi] != self.shard.to(self.full.device)).any())
+
+    def discard_compute_edits(self, comm: Communicator) -> None:
+        if self._state is ParamState.UNSHARDED:
+            comm.all_gather(self.full, self._device_shard())
 
     def after_step(self, comm: Communicator) -> Handle | None:
         if self.master is not self.shard:

@@ -54,6 +54,8 @@ class ZeroPlan:
     unit_numel: int | None
     persistence_threshold: int | None
     prefetch: bool
+    unit_leaf_classes: tuple[str, ...]
+    check_gather_order: bool
     offload_optimizer: bool
     offload_params: bool
     broadcast_buffers: bool
@@ -87,6 +89,8 @@ def make_plan(config: ZeroConfig, world_size: int) -> ZeroPlan:
         unit_numel=config.resolved("unit_numel"),
         persistence_threshold=config.resolved("param_persistence_threshold"),
         prefetch=bool(config.resolved("prefetch")),
+        unit_leaf_classes=tuple(config.resolved("unit_leaf_classes") or ()),
+        check_gather_order=bool(config.resolved("check_gather_order")),
         offload_optimizer=config.offload_optimizer,
         offload_params=config.offload_params,
         broadcast_buffers=config.broadcast_buffers,

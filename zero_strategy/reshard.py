@@ -21,6 +21,7 @@ from .checkpoint import (
     FORMAT,
     MANIFEST,
     MODULE_FILE,
+    READABLE_VERSIONS,
     VERSION,
     CheckpointError,
     _fsync_dir,
@@ -95,7 +96,8 @@ class CheckpointReader:
             self.manifest = json.loads((path / MANIFEST).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{path / MANIFEST}: unreadable manifest ({e})") from e
-        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
+        if (self.manifest.get("format") != FORMAT
+                or self.manifest.get("version") not in READABLE_VERSIONS):
             raise CheckpointError(
                 f"{path / MANIFEST}: format {self.manifest.get('format')!r} version "
                 f"{self.manifest.get('version')!r}; this zero_strategy reads {FORMAT!r} v{VERSION}")
@@ -244,32 +246,53 @@ def _verify_shared(engine: ZeroEngine, reader: CheckpointReader) -> None:
         raise CheckpointError("; ".join(problems))
 
 
+def _param_states(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per parameter name: {"scalars": {...}, "tensors": [...]} (v1 checkpoints recorded
+    scalars per param group, every parameter of a group with the same state)."""
+    if "param_states" in manifest:
+        return manifest["param_states"]
+    groups = manifest.get("scalar_states", {})
+    keys = manifest.get("state_keys", [])
+    out = {}
+    for layout in manifest["units"]:
+        for name, _, _, _, group in layout["slots"]:
+            scalars = groups.get(str(group), {})
+            if scalars or keys:
+                out[name] = {"scalars": scalars, "tensors": keys}
+    return out
+
+
 def _load_optimizer_state(engine: ZeroEngine, reader: CheckpointReader, rank: int) -> None:
-    keys = reader.manifest.get("state_keys", [])
-    scalars = reader.manifest.get("scalar_states", {})
-    if not keys and not scalars:
+    states = _param_states(reader.manifest)
+    if not states:
         return  # saved before the first step: nothing to restore
     inner = engine.optimizer.inner
     state_dict = inner.state_dict()
     index = {id(p): i for i, p in enumerate(p for g in inner.param_groups for p in g["params"])}
     new_state: dict[int, dict[str, Any]] = {}
     for seg in engine.optimizer.segments:
-        entry: dict[str, Any] = {}
-        for key in keys:
-            buf = torch.zeros(seg.end - seg.start, dtype=torch.float32)
-            for piece in seg.unit.layout.pieces(rank):
-                lo = max(piece.shard_start, seg.start)
-                hi = min(piece.shard_start + piece.numel, seg.end)
-                if lo < hi:
-                    offset = piece.slot_start + lo - piece.shard_start
-                    buf[lo - seg.start : hi - seg.start] = reader.read_range(
-                        piece.slot.name, key, offset, offset + hi - lo)
-            entry[key] = buf
-        for key, value in scalars.get(str(seg.group), {}).items():
+        slot = seg.unit.layout.slots[seg.index]
+        saved = states.get(slot.name)
+        if saved is None:
+            continue  # the parameter had no optimizer state when saved
+        offset = seg.start - _piece_start(seg, rank)
+        entry: dict[str, Any] = {
+            key: reader.read_range(slot.name, key, offset, offset + seg.end - seg.start)
+            .to(torch.float32) for key in saved["tensors"]
+        }
+        for key, value in saved["scalars"].items():
             entry[key] = torch.tensor(value, dtype=torch.float32)
         new_state[index[id(seg.view)]] = entry
     state_dict["state"] = new_state
     inner.load_state_dict(state_dict)
+
+
+def _piece_start(seg: Any, rank: int) -> int:
+    """Where the segment's parameter starts relative to the shard (negative when it began on
+    an earlier rank's shard): shard offset minus offset inside the parameter."""
+    slot = seg.unit.layout.slots[seg.index]
+    lo, _ = seg.unit.layout.shard_bounds(rank)
+    return slot.offset - lo
 
 
 def read_client_state(directory: str | os.PathLike, tag: str | None = None

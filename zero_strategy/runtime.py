@@ -2,8 +2,18 @@
 
 The runtime is driven by the hooks in ``hooks.py``. It never asks for the stage: a replicated
 param store makes gather/free no-ops, and the grad store the plan chose decides what a
-reduction is. Collectives are issued in the same order on every rank because every rank runs
-the same modules in the same order.
+reduction is.
+
+Every collective must be issued in the same order on every rank, including when ranks run
+different code (mixture-of-experts routing leaves an expert unused on one rank only):
+
+- reductions are launched in one order fixed before backward starts (the reverse of the
+  forward's unit order, then the remaining units by index), a unit whose gradients are ready
+  early waits for its predecessors, and a unit some of whose gradients never arrive on this
+  rank is launched at the end of backward, still in that order;
+- stage-3 gathers follow the modules that run, so with ``check_gather_order`` each gather is
+  preceded by a tiny all-gather of the unit's index, and ranks that disagree raise an error
+  naming both units instead of exchanging the wrong shards or hanging.
 """
 
 from __future__ import annotations
@@ -12,9 +22,11 @@ from typing import Any
 
 import torch
 from torch.profiler import record_function
+from torch.utils._pytree import tree_flatten
 
 from .collectives import Communicator
 from .hooks import queue_end_of_backward, register_pre_backward
+from .params import ParamState
 from .units import Unit
 
 # Reductions in flight at once. Each holds a unit's full-size local gradient buffer until it
@@ -23,12 +35,17 @@ from .units import Unit
 MAX_INFLIGHT_REDUCTIONS = 2
 
 
+class GatherOrderError(RuntimeError):
+    """Ranks tried to gather different stage-3 units at the same point."""
+
+
 class Runtime:
     def __init__(self, units: list[Unit], comm: Communicator, root: torch.nn.Module,
-                 prefetch: bool) -> None:
+                 prefetch: bool, check_gather_order: bool) -> None:
         self.units = units
         self.comm = comm
         self.prefetch = prefetch
+        self.check_gather_order = check_gather_order and comm.world_size > 1
         self.root_unit = next((u for u in units if u.module is root), None)
         self.sync = True
         self.grads_pending_step = False
@@ -38,6 +55,49 @@ class Runtime:
         self._in_order: set[int] = set()
         self._callback_queued = False
         self._launched: list[Unit] = []
+        self._pinned: set[int] = set()
+        """Units kept whole until the end of backward: read outside their module's forward,
+        or returned (a view of) their parameters from it."""
+        self._launch_order: list[Unit] = []
+        self._cursor = 0
+        self._complete: set[int] = set()
+
+    # ---------------------------------------------------------------- gathering
+    def unshard(self, unit: Unit) -> None:
+        store = unit.param_store
+        if store.gathers and store.state is ParamState.SHARDED:
+            if self.check_gather_order:
+                self._agree_on(unit)
+            store.start_unshard(self.comm)
+
+    def _agree_on(self, unit: Unit) -> None:
+        tags = self.comm.all_gather_ints(unit.index, unit.grad_store.device)
+        if any(t != unit.index for t in tags):
+            names = ", ".join(f"rank {r}: unit {t} {self.units[t].name or '<root>'!r}"
+                              for r, t in enumerate(tags))
+            raise GatherOrderError(
+                f"stage 3: ranks are gathering different units ({names}). A module ran on "
+                "some ranks but not on others (e.g. a mixture-of-experts expert that received "
+                "no tokens on one rank). Gather such modules with their parent: list the "
+                "parent's class in ZeroConfig(unit_leaf_classes=[...]), or call every module "
+                "on every rank (an expert may run on an empty batch)")
+
+    def gather_for_access(self, unit: Unit) -> None:
+        """A parameter of ``unit`` is read outside its module's forward: gather it now and
+        keep it whole until the end of backward (or of the step, without backward)."""
+        with record_function("zero::gather_external"):
+            self.unshard(unit)
+            unit.param_store.finish_unshard()
+        self._pinned.add(unit.index)
+
+    def release(self, unit: Unit) -> None:
+        if unit.index not in self._pinned:
+            unit.param_store.reshard()
+
+    def reshard_all(self) -> None:
+        self._pinned.clear()
+        for unit in self.units:
+            unit.param_store.reshard()
 
     # ---------------------------------------------------------------- forward
     def begin_forward(self) -> None:
@@ -50,14 +110,17 @@ class Runtime:
             if unit.index not in self._in_order:
                 self._in_order.add(unit.index)
                 self._order.append(unit)
-            unit.param_store.start_unshard(self.comm)
+            self.unshard(unit)
             if self.prefetch:
                 self._prefetch_after(unit, self._previous_order)
             unit.param_store.finish_unshard()
 
     def post_forward(self, unit: Unit, output: Any) -> None:
+        leaves = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+        if any(unit.param_store.shares_storage(t) for t in leaves):
+            self._pinned.add(unit.index)  # the caller holds a view of the parameters
         hooked = torch.is_grad_enabled() and register_pre_backward(
-            output, lambda: self.pre_backward(unit)
+            leaves, lambda: self.pre_backward(unit)
         )
         if not torch.is_grad_enabled() and unit is self.root_unit:
             self.reshard_all()  # inference: nothing will need the parameters again
@@ -65,12 +128,12 @@ class Runtime:
             # Only free what a pre-backward hook can bring back; an output we cannot hook
             # keeps its unit gathered until the end of backward.
             with record_function("zero::free"):
-                unit.param_store.reshard()
+                self.release(unit)
 
     def _prefetch_after(self, unit: Unit, order: list[Unit]) -> None:
         for i, u in enumerate(order[:-1]):
             if u is unit:
-                order[i + 1].param_store.start_unshard(self.comm)
+                self.unshard(order[i + 1])
                 return
 
     # ---------------------------------------------------------------- backward
@@ -78,11 +141,23 @@ class Runtime:
         if not self._callback_queued:
             self._callback_queued = True
             queue_end_of_backward(self.end_backward)
+            self._begin_backward()
+
+    def _begin_backward(self) -> None:
+        """Fix, before any gradient arrives, how many each unit expects and the order in
+        which reductions are launched: the same on every rank whatever arrives."""
+        for unit in self.units:
+            unit.expected = sum(1 for p in unit.params if p.requires_grad)
+        ran = list(reversed(self._order))
+        seen = {u.index for u in ran}
+        self._launch_order = ran + [u for u in self.units if u.index not in seen]
+        self._cursor = 0
+        self._complete = set()
 
     def pre_backward(self, unit: Unit) -> None:
         self._ensure_callback()
         with record_function("zero::gather_for_backward"):
-            unit.param_store.start_unshard(self.comm)
+            self.unshard(unit)
             if self.prefetch:
                 self._prefetch_after(unit, self._order[::-1])
             unit.param_store.finish_unshard()
@@ -93,41 +168,61 @@ class Runtime:
         assert grad is not None
         unit.grad_store.accumulate(index, grad)
         param.grad = None  # the store holds it now; a full-size .grad would defeat sharding
+        unit.used[index] = True
         unit.ready += 1
-        if unit.ready == len(unit.params):
-            self._complete(unit)
+        if unit.ready >= unit.expected:
+            self._finish_unit(unit)
 
-    def _complete(self, unit: Unit) -> None:
+    def _finish_unit(self, unit: Unit) -> None:
         unit.ready = 0
         unit.reduced_this_pass = True
         if self.sync:
+            self._complete.add(unit.index)
+            self._launch_ready()
+        # Every use of the unit's parameters is behind us once all their gradients arrived.
+        self.release(unit)
+
+    def _launch_ready(self) -> None:
+        order = self._launch_order
+        while self._cursor < len(order) and order[self._cursor].index in self._complete:
+            unit = order[self._cursor]
+            self._cursor += 1
             with record_function("zero::reduce"):
                 unit.grad_store.launch_reduce(self.comm)
             self._launched.append(unit)
             while len(self._launched) > MAX_INFLIGHT_REDUCTIONS:
                 self._finish(self._launched.pop(0))
-        # Every use of the unit's parameters is behind us once all their gradients arrived.
-        unit.param_store.reshard()
 
     def end_backward(self) -> None:
-        """Reduce what unused parameters left pending, wait for every reduction, free."""
+        """Reduce what unused parameters left pending, wait for every reduction, agree on
+        which parameters were used anywhere, free."""
         with record_function("zero::end_backward"):
             for unit in self.units:
                 if not unit.reduced_this_pass:
-                    self._complete(unit)
+                    self._finish_unit(unit)
                 unit.reduced_this_pass = False
             for unit in self._launched:
                 self._finish(unit)
             self._launched = []
+            if self.sync:
+                self._agree_on_used()
             self.reshard_all()
             self._callback_queued = False
+
+    def _agree_on_used(self) -> None:
+        """One small all-reduce: a parameter no rank produced a gradient for since the last
+        step is left alone by the optimizer, as torch skips a parameter whose grad is None."""
+        flags = torch.tensor([u for unit in self.units for u in unit.used], dtype=torch.float32,
+                             device=self.units[0].grad_store.device)
+        if self.comm.world_size > 1:
+            self.comm.all_reduce_max(flags)
+        used = flags.tolist()
+        offset = 0
+        for unit in self.units:
+            unit.stepped = [bool(u) for u in used[offset : offset + len(unit.params)]]
+            offset += len(unit.params)
 
     def _finish(self, unit: Unit) -> None:
         unit.grad_store.finish_reduce(self.comm.world_size)
         unit.prepare_master_grad()
         self.grads_pending_step = True
-
-    # ---------------------------------------------------------------- step
-    def reshard_all(self) -> None:
-        for unit in self.units:
-            unit.param_store.reshard()

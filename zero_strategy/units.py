@@ -48,7 +48,15 @@ class Unit:
         self.grad_store = grad_store
         self.offload_optimizer = offload_optimizer
         self.ready = 0
+        """Gradients that arrived in the current backward pass."""
+        self.expected = len(params)
+        """Gradients the current backward pass can deliver (parameters requiring grad)."""
         self.reduced_this_pass = False
+        self.used = [False] * len(params)
+        """Per parameter: a gradient arrived on this rank since the last step."""
+        self.stepped = [True] * len(params)
+        """Per parameter: some rank produced a gradient for it since the last step, so the
+        optimizer updates it (a parameter no rank used is skipped, as torch and DDP do)."""
         self._master_grad: torch.Tensor | None = None
         self._master_grad_buffer: torch.Tensor | None = None
 
@@ -77,6 +85,7 @@ class Unit:
 
     def zero_grad(self) -> None:
         self.grad_store.zero()
+        self.used = [False] * len(self.params)
         self._master_grad = None
         if not self.offload_optimizer:
             self._master_grad_buffer = None
@@ -107,30 +116,35 @@ def _owners(model: nn.Module, managed: NamedParams) -> dict[str, NamedParams]:
 
 
 def module_specs(
-    model: nn.Module, managed: NamedParams, unit_numel: int, kind: UnitKind
+    model: nn.Module, managed: NamedParams, unit_numel: int, kind: UnitKind,
+    leaf_classes: tuple[str, ...] = (),
 ) -> list[UnitSpec]:
     """Post-order walk: a module whose unclaimed parameters reach ``unit_numel`` becomes a unit;
-    the root takes whatever is left."""
+    a module of a leaf class becomes one unit with everything below it; the root takes
+    whatever is left."""
     owners = _owners(model, managed)
     specs: list[UnitSpec] = []
     seen: set[int] = set()
 
-    def visit(path: str, module: nn.Module) -> NamedParams:
+    def visit(path: str, module: nn.Module, inside_leaf: bool) -> NamedParams:
+        leaf = type(module).__name__ in leaf_classes
         pending = list(owners.get(path, []))
         for child_name, child in module.named_children():
             if id(child) in seen:
                 continue
             seen.add(id(child))
-            pending += visit(f"{path}.{child_name}" if path else child_name, child)
+            child_path = f"{path}.{child_name}" if path else child_name
+            pending += visit(child_path, child, inside_leaf or leaf)
         # Containers are never called, so their forward hooks would never gather.
         callable_module = not isinstance(module, (nn.ModuleList, nn.ModuleDict))
         big = sum(p.numel() for _, p in pending) >= unit_numel
-        if pending and (path == "" or (callable_module and big)):
+        wanted = path == "" or (callable_module and not inside_leaf and (leaf or big))
+        if pending and wanted:
             specs.append(UnitSpec(path, module, pending, kind))
             return []
         return pending
 
-    visit("", model)
+    visit("", model, False)
     return specs
 
 
@@ -157,7 +171,7 @@ def plan_specs(model: nn.Module, managed: NamedParams, plan: ZeroPlan) -> list[U
     small = [(n, p) for n, p in managed if p.numel() < plan.persistence_threshold]
     small_ids = {id(p) for _, p in small}
     large = [(n, p) for n, p in managed if id(p) not in small_ids]
-    specs = module_specs(model, large, plan.unit_numel, layout.main)
+    specs = module_specs(model, large, plan.unit_numel, layout.main, plan.unit_leaf_classes)
     assert layout.persistent is not None
     specs += bucket_specs(small, plan.bucket_numel, layout.persistent)
     return specs
@@ -166,12 +180,13 @@ def plan_specs(model: nn.Module, managed: NamedParams, plan: ZeroPlan) -> list[U
 def build_units(
     model: nn.Module, managed: NamedParams, group_of: dict[int, int], plan: ZeroPlan,
     comm: Communicator, device: torch.device, materializer: Materializer | None = None,
+    first_index: int = 0,
 ) -> list[Unit]:
     placement = Placement(device, plan.offload_optimizer, plan.offload_params)
     policy = plan.policy
     shard_rank = comm.rank if plan.optimizer_shards > 1 else 0
     units = []
-    for index, spec in enumerate(plan_specs(model, managed, plan)):
+    for index, spec in enumerate(plan_specs(model, managed, plan), start=first_index):
         entries = [(name, p.shape, group_of[id(p)]) for name, p in spec.params]
         layout = make_layout(entries, plan.optimizer_shards)
         by_name = dict(spec.params)

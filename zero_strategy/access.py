@@ -1,0 +1,179 @@
+"""What user code may do with the module's parameters outside the engine's own calls.
+
+The engine owns every managed parameter's storage and its master copy, so each way user code
+can reach a parameter is routed through here (``hooks.ModulePatches`` swaps the module
+classes that call it):
+
+- reading one as an attribute (``model.emb.weight`` for a tied head, a loss term, a parent
+  reading a child's weight) gathers its stage-3 unit and keeps it whole until the end of
+  backward, so the value is real and its gradient flows into the unit's reduction;
+- ``load_state_dict`` writes the managed parameters' masters at full precision and their
+  compute copies, without gathering;
+- ``state_dict()`` of a module whose parameters are sharded right now is refused (it would
+  hold placeholders), and names the calls that work;
+- ``.to(dtype)``, ``.half()``, ``to_empty()`` and other conversions that would replace a
+  managed parameter's tensor are refused before anything is changed;
+- ``gathered()`` is the explicit context for reading or editing whole parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .params import ParamState
+
+if TYPE_CHECKING:
+    from .collectives import Communicator
+    from .runtime import Runtime
+    from .units import Unit
+
+
+class ParamAccess:
+    def __init__(self, units: list[Unit], runtime: Runtime, comm: Communicator,
+                 names: dict[int, str]) -> None:
+        self.units = units
+        self.runtime = runtime
+        self.comm = comm
+        self.names = names
+        self.place: dict[int, tuple[Unit, int]] = {
+            id(p): (unit, i) for unit in units for i, p in enumerate(unit.params)
+        }
+        self.sharded = {pid for pid, (unit, _) in self.place.items() if unit.param_store.gathers}
+
+    def add_units(self, units: list[Unit]) -> None:
+        for unit in units:
+            for i, p in enumerate(unit.params):
+                self.place[id(p)] = (unit, i)
+                if unit.param_store.gathers:
+                    self.sharded.add(id(p))
+
+    # ---------------------------------------------------------------- attribute reads
+    @torch._dynamo.disable  # a gather cannot be traced; torch.compile breaks the graph here
+    def on_read(self, value: object) -> None:
+        if id(value) in self.sharded:
+            unit, _ = self.place[id(value)]
+            if unit.param_store.state is not ParamState.UNSHARDED:
+                self.runtime.gather_for_access(unit)
+
+    # ---------------------------------------------------------------- conversions
+    def check_apply(self, module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Refuse, before anything changes, a conversion that would swap a managed
+        parameter's tensor (a dtype or device change, ``to_empty``); no-op ones pass."""
+        keeps: dict[tuple[torch.dtype, torch.device], bool] = {}
+        for p in module.parameters():
+            if id(p) not in self.place:
+                continue
+            key = (p.dtype, p.device)
+            if key not in keeps:
+                probe = torch.zeros(1, dtype=p.dtype, device=p.device)
+                keeps[key] = fn(probe) is probe
+            if not keeps[key]:
+                raise RuntimeError(
+                    f"{type(module).__name__}._apply (.to / .half / .float / to_empty ...) would "
+                    f"replace parameter {self.names[id(p)]!r} ({p.dtype}, {p.device}) after "
+                    "the ZeroEngine took it over; nothing was changed. Choose the training "
+                    "dtype with ZeroConfig(precision='bf16-mixed' | 'bf16-true' | '16-mixed') "
+                    "and move the model to its device before building the engine, or call "
+                    "engine.close() first to get a plain module back")
+
+    # ---------------------------------------------------------------- state dicts
+    def load_own(self, module: nn.Module, state_dict: dict, prefix: str,
+                 errors: list[str]) -> set[str]:
+        """Write this module's own managed parameters found in ``state_dict``; returns the
+        keys handled (torch's loader must not copy them into placeholders)."""
+        handled: set[str] = set()
+        for name, p in module._parameters.items():
+            key = prefix + name
+            if p is None or id(p) not in self.place or key not in state_dict:
+                continue
+            value = state_dict[key]
+            if not isinstance(value, torch.Tensor):
+                continue  # torch's loader reports it
+            handled.add(key)
+            unit, index = self.place[id(p)]
+            shape = unit.layout.slots[index].shape
+            if tuple(value.shape) != shape:
+                errors.append(f"size mismatch for {key}: copying a param with shape "
+                              f"{tuple(value.shape)} from checkpoint, the shape in current "
+                              f"model is {torch.Size(shape)}.")
+                continue
+            with torch.no_grad():
+                unit.param_store.write_param(index, value.detach().to(unit.grad_store.device))
+        return handled
+
+    def check_save(self, module: nn.Module, keep_vars: bool) -> None:
+        if keep_vars:
+            return
+        for p in module._parameters.values():
+            if p is not None and id(p) in self.sharded:
+                unit, _ = self.place[id(p)]
+                if unit.param_store.state is not ParamState.UNSHARDED:
+                    raise RuntimeError(
+                        f"state_dict(): stage 3 holds only this rank's shard of "
+                        f"{self.names[id(p)]!r}, so the module's own state_dict would hold "
+                        "placeholders. Use engine.full_state_dict() (on every rank), or call "
+                        "it inside `with engine.gathered_parameters(): ...`")
+
+    # ---------------------------------------------------------------- explicit gathering
+    def units_of(self, target: nn.Module | Iterable[torch.Tensor] | None) -> list[Unit]:
+        if target is None:
+            return list(self.units)
+        params = target.parameters() if isinstance(target, nn.Module) else target
+        wanted: set[int] = set()
+        for p in params:
+            if id(p) in self.place:
+                wanted.add(self.place[id(p)][0].index)
+        return [u for u in self.units if u.index in wanted]
+
+    @contextlib.contextmanager
+    def gathered(self, target: nn.Module | Iterable[torch.Tensor] | None, writable: bool,
+                 modifier_rank: int | None) -> Iterator[None]:
+        units = self.units_of(target)
+        if modifier_rank is not None and not 0 <= modifier_rank < self.comm.world_size:
+            raise ValueError(f"modifier_rank must be a rank in [0, {self.comm.world_size}), "
+                             f"got {modifier_rank!r}")
+        was_sharded = [u for u in units if u.param_store.state is not ParamState.UNSHARDED]
+        for unit in units:
+            self.runtime.unshard(unit)
+        for unit in units:
+            unit.param_store.finish_unshard()
+        try:
+            yield
+        finally:
+            try:
+                if writable:
+                    self._adopt(units, modifier_rank)
+                else:
+                    self._check_unedited(units)
+            finally:
+                for unit in was_sharded:
+                    self.runtime.release(unit)
+
+    def _adopt(self, units: list[Unit], modifier_rank: int | None) -> None:
+        with torch.no_grad():
+            for unit in units:
+                if modifier_rank is not None and self.comm.world_size > 1:
+                    self.comm.broadcast(unit.param_store.full, src=modifier_rank)
+                unit.param_store.adopt_compute_edits()
+
+    def _check_unedited(self, units: list[Unit]) -> None:
+        edited = [u for u in units if u.param_store.was_edited()]
+        flag = torch.tensor([float(bool(edited))], device=units[0].grad_store.device) \
+            if units else None
+        if flag is None:
+            return
+        if self.comm.world_size > 1:
+            self.comm.all_reduce_max(flag)
+        if flag.item():
+            for unit in units:  # put the compute copies back: the edit is not kept
+                unit.param_store.discard_compute_edits(self.comm)
+            where = ", ".join(repr(u.name or "<root>") for u in edited) or "another rank"
+            raise RuntimeError(
+                f"parameters were modified inside engine.gathered_parameters() without "
+                f"writable=True (units: {where}); the edits were discarded. Pass "
+                "writable=True (and modifier_rank=r if only rank r's edit counts)")
