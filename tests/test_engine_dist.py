@@ -31,6 +31,12 @@ def assert_parity(results: list[dict], clip: float = 0.05) -> None:
         assert r["dtypes"] == ["torch.float32"]
         assert r["moved"] > 1e-3, "training did not move the weights: parity would be vacuous"
         assert r["rel"] <= TOL, f"rank {rank}: consolidated params differ by {r['rel']:.2e}"
+        # Elements whose AdamW denominator fell to the eps scale (GPT-2's key bias, whose true
+        # gradient is zero, and elements whose ranks' gradients cancel) turn rounding-level
+        # gradient differences into weight differences of up to TOL * gain: compared relative
+        # to max|w| + gain, argued in tests/scenarios_engine.py's AdamWGain.
+        assert r["rel_eps_bound"] <= TOL, \
+            f"rank {rank}: eps-bound elements differ by {r['rel_eps_bound']:.2e} of max|w| + gain"
         for step, (a, b) in enumerate(zip(r["loss"], r["ref_loss"])):
             assert a == pytest.approx(b, rel=TOL, abs=1e-7), f"rank {rank} step {step} loss"
         for step, (a, b) in enumerate(zip(r["norm"], r["ref_norm"])):
