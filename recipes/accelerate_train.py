@@ -11,6 +11,17 @@
 The ZeRO options come from ``--zero-config`` or ``$ZERO_STRATEGY_CONFIG`` (a YAML of
 ZeroConfig fields), overridden by ``--zero-opt key=value``. ``--save-at K --save-dir D`` saves
 the state after K optimizer steps; ``--resume D`` loads it and continues where it stopped.
+
+Fault tolerance: ``--checkpoint-every N --checkpoint-dir D`` saves the state every N steps
+(``D/step-<k>``, the two newest complete ones kept) and, started again, resumes from the newest
+complete one. Launched with restarts, a worker lost mid-run makes the launcher restart all of
+them and the job ends with the weights of an uninterrupted run::
+
+    ZERO_STRATEGY_CONFIG=conf/accelerate/zero3.yaml \\
+        accelerate launch --max_restarts 3 --config_file conf/accelerate/multi_process.yaml \\
+        recipes/accelerate_train.py --checkpoint-every 10 --checkpoint-dir ckpt
+
+(``--max_restarts`` cannot be set in Accelerate's config file.)
 ``--out DIR`` writes each rank's losses, gradient norms and (rank 0) final weights as JSON.
 Models: a tiny GPT-2 on the help text that ships with Python (``--model gpt2``, needs
 transformers) or a small MLP on synthetic regression data (``--model mlp``, used by the tests).
@@ -21,6 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-at", type=int, default=None, help="save_state after this many steps")
     p.add_argument("--save-dir", default=None)
     p.add_argument("--resume", default=None, help="load_state from this folder and continue")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="save the state every N optimizer steps into --checkpoint-dir and "
+                        "resume from the newest complete one when started again")
+    p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--out", default=None, help="folder for per-rank JSON results")
     return p.parse_args(argv)
 
@@ -162,6 +179,45 @@ def make_accelerator(args: argparse.Namespace) -> Accelerator:
     return ZeroAccelerator(gradient_accumulation_steps=args.accum, zero_plugin=plugin)
 
 
+# ------------------------------------------------------------------------------ fault tolerance
+COMPLETE = "COMPLETE"
+"""Written into a checkpoint folder once every rank has finished saving it."""
+
+
+def save_checkpoint(accelerator: Accelerator, root: Path, step: int) -> None:
+    """The state after ``step`` into ``root/step-<step>``, marked complete once every rank
+    wrote its part; then only the two newest complete checkpoints are kept."""
+    folder = root / f"step-{step:08d}"
+    accelerator.save_state(str(folder))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        tmp = folder / f".{COMPLETE}.tmp"
+        tmp.write_text(str(step))
+        os.replace(tmp, folder / COMPLETE)  # readers see the marker whole or not at all
+        for old in sorted(root.glob("step-*"))[:-2]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def newest_checkpoint(root: str | None) -> str | None:
+    """The newest complete checkpoint under ``root`` (None when there is none)."""
+    if root is None or not Path(root).is_dir():
+        return None
+    complete = [f for f in sorted(Path(root).glob("step-*")) if (f / COMPLETE).is_file()]
+    return str(complete[-1]) if complete else None
+
+
+def injected_fault(accelerator: Accelerator, step: int) -> None:
+    """Test seam (tests/test_accelerate.py): ``$ZS_FAULT_KILL_STEP`` / ``$ZS_FAULT_KILL_RANK``
+    make that rank SIGKILL itself after that optimizer step, in the first attempt only
+    (``$TORCHELASTIC_RESTART_COUNT`` 0), as a lost node would."""
+    kill_at = os.environ.get("ZS_FAULT_KILL_STEP")
+    if (kill_at is not None and step == int(kill_at)
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            and accelerator.process_index == int(os.environ.get("ZS_FAULT_KILL_RANK", "1"))):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def evaluate(accelerator: Accelerator, model: nn.Module, dataset: Dataset, batch: int) -> float:
     """Mean loss over the dataset, all ranks' batches gathered (a data loader prepared alone)."""
     loader = accelerator.prepare(DataLoader(dataset, batch_size=batch))
@@ -185,8 +241,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
-    if args.resume:
-        accelerator.load_state(args.resume)
+    resume = args.resume or newest_checkpoint(args.checkpoint_dir)
+    if resume:
+        accelerator.load_state(resume)
         loader = accelerator.skip_first_batches(loader, progress.steps * args.accum)
     record: dict[str, Any] = {"start_step": progress.steps, "losses": [], "norms": [], "lrs": [],
                               "reduced": [], "skipped": []}
@@ -212,14 +269,27 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             record["skipped"].append(accelerator.optimizer_step_was_skipped)  # fp16 overflow
             if progress.steps == args.save_at:
                 accelerator.save_state(args.save_dir)
+            if args.checkpoint_every and progress.steps % args.checkpoint_every == 0:
+                save_checkpoint(accelerator, Path(args.checkpoint_dir), progress.steps)
+            injected_fault(accelerator, progress.steps)
 
     record["eval_loss"] = evaluate(accelerator, model, dataset, args.batch)
     record.update(summarize(accelerator, model, initial))
+    record["optimizer_state"] = optimizer_digest(optimizer)
     record["steps"] = progress.steps
     if accelerator.is_main_process:
         last = record["losses"][-1] if record["losses"] else float("nan")
         accelerator.print(f"{args.mode}: {progress.steps} steps, final loss {last:.4f}")
     return record
+
+
+def optimizer_digest(optimizer: Any) -> dict[str, dict[str, float]]:
+    """Per parameter index and state key, the sum of |state| (no cancellation, so it agrees as
+    closely as the elements do) of ``optimizer.state_dict()`` in torch's format (for ZeRO a
+    collective that consolidates the shards)."""
+    state = optimizer.state_dict()["state"]
+    return {str(i): {k: float(v.double().abs().sum()) for k, v in entry.items()}
+            for i, entry in state.items()}
 
 
 def summarize(accelerator: Accelerator, model: nn.Module,

@@ -28,9 +28,16 @@ def run_job(cfg: DictConfig, out: Path | None = None) -> float:
     OmegaConf.save(cfg, config_file, resolve=True)
     nproc = int(cfg.trainer.devices)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+           # A restarted attempt must not share the launcher's store with the failed one:
+           # it would read the dead workers' addresses and fail (or hang) connecting
+           # (pytorch/pytorch#135712).
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # A worker that dies (process or node lost) makes torch.distributed.run restart them all;
+    # they resume from the job's last checkpoint (worker.py).
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node", str(nproc), str(HERE / "worker.py"), str(config_file)]
+           "--nproc_per_node", str(nproc), "--max-restarts", str(int(cfg.trainer.max_restarts)),
+           str(HERE / "worker.py"), str(config_file)]
     print(f"[{cfg.name}] {nproc} processes: {' '.join(cmd[2:])}", flush=True)
     try:
         proc = subprocess.run(cmd, env=env, timeout=int(cfg.trainer.timeout_s))

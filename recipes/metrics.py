@@ -3,6 +3,7 @@ bytes communicated per step, first/final train loss and validation loss/accuracy
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -108,6 +109,7 @@ class JobMetrics(L.Callback):
     def finish(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         ranks = [None] * trainer.world_size
         dist.all_gather_object(ranks, self._rank_record(trainer, module))
+        digest = weights_digest(trainer, module)  # a collective under ZeRO: every rank
         if trainer.global_rank != 0:
             return
         steps = max(1, trainer.global_step - WARMUP_STEPS)
@@ -125,8 +127,20 @@ class JobMetrics(L.Callback):
             "train_loss": sum(r["train_loss"] for r in ranks) / len(ranks),
             "val_loss": float(cm.get("val_loss", float("nan"))),
             "val_acc": float(cm["val_acc"]) if "val_acc" in cm else None,
-            "num_params": ranks[0]["num_params"], "ranks": ranks,
+            "num_params": ranks[0]["num_params"], "ranks": ranks, "weights_sha256": digest,
         }
         tmp = self.out.with_suffix(".tmp")
         tmp.write_text(json.dumps(record, indent=1))
         os.replace(tmp, self.out)
+
+
+def weights_digest(trainer: L.Trainer, module: L.LightningModule) -> str:
+    """sha256 of the final weights (fp32 masters under ZeRO), key by key: equal digests mean
+    bit-identical models (a restarted job against an uninterrupted one)."""
+    engine = getattr(trainer.strategy, "engine", None)
+    state = engine.full_state_dict() if engine is not None else module.state_dict()
+    digest = hashlib.sha256()
+    for key in sorted(state):
+        digest.update(key.encode())
+        digest.update(state[key].detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()

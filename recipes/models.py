@@ -10,6 +10,7 @@ from typing import Any
 import data as recipe_data
 import lightning as L
 import torch
+from resume import ResumableSampler
 from torch.utils.data import DataLoader
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -116,6 +117,16 @@ class RecipeData(L.LightningDataModule):
         super().__init__()
         self.cfg, self.model_cfg = data_cfg, model_cfg
         self.splits: recipe_data.Splits | None = None
+        self.position: tuple[int, int] | None = None
+        """(epoch, batches consumed in it) when the last checkpoint was taken."""
+        self._resume: tuple[int, int] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.position is None else {"position": list(self.position)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        epoch, batches = state["position"]
+        self._resume = (int(epoch), int(batches))
 
     @property
     def vocab_size(self) -> int:
@@ -134,10 +145,22 @@ class RecipeData(L.LightningDataModule):
                                                   cfg["seed"])
 
     def train_dataloader(self) -> DataLoader:
-        assert self.splits is not None
-        return DataLoader(self.splits.train, batch_size=self.cfg["batch_size"], shuffle=True,
-                          drop_last=True, num_workers=0,
-                          generator=torch.Generator().manual_seed(self.cfg["seed"]))
+        """Shuffled as Lightning's distributed sampler would (same seed, same order), and
+        resumable: after a restart the epoch continues where the checkpoint was taken."""
+        assert self.splits is not None and self.trainer is not None
+        batch = self.cfg["batch_size"]
+        sampler = ResumableSampler(self.splits.train, self.trainer.world_size,
+                                   self.trainer.global_rank, seed=self.trainer_seed)
+        if self._resume is not None:
+            sampler.resume = (self._resume[0], self._resume[1] * batch)
+            self._resume = None
+        return DataLoader(self.splits.train, batch_size=batch, sampler=sampler, drop_last=True,
+                          num_workers=0)
+
+    @property
+    def trainer_seed(self) -> int:
+        """The seed Lightning gives its own distributed samplers (seed_everything's)."""
+        return int(os.environ.get("PL_GLOBAL_SEED", 0))
 
     def val_dataloader(self) -> DataLoader:
         assert self.splits is not None

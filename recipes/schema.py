@@ -92,6 +92,12 @@ class TrainerConf:
     seed: int = 0
     timeout_s: int = 1800
     """A job that runs longer is stopped and reported as failed."""
+    max_restarts: int = 3
+    """When a worker fails (a process or node lost), torch.distributed.run restarts all of
+    them up to this many times; they resume from the last checkpoint. 0 disables restarts."""
+    checkpoint_every: int = 100
+    """Save the job's full state every this many optimizer steps (0: never) into
+    <job dir>/checkpoints/last.ckpt, replaced atomically; restarted workers resume from it."""
 
 
 @dataclass

@@ -1,13 +1,16 @@
 """One process of a recipe job (started by launch.py under torch.distributed.run).
 
 Builds the data, the model and the Lightning Trainer from the job's resolved config and
-trains; rank 0 writes the job's measurements to ``metrics.json`` beside the config.
+trains, checkpointing every ``trainer.checkpoint_every`` steps; a worker restarted after a
+failure resumes from the last checkpoint (resume.py). Rank 0 writes the job's measurements
+to ``metrics.json`` beside the config.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from metrics import JobMetrics  # noqa: E402
 from models import RecipeData, RecipeModule  # noqa: E402
+from resume import InjectedFault, PeriodicCheckpoint, last_checkpoint  # noqa: E402
 
 
 def make_strategy(cfg: Any) -> Any:
@@ -39,8 +43,17 @@ def main(config_file: str) -> None:
     module = RecipeModule(OmegaConf.to_container(cfg.model), OmegaConf.to_container(cfg.optim),
                           vocab_size=int(cfg.data.vocab_size),
                           max_steps=int(cfg.trainer.max_steps))
-    metrics = JobMetrics(cfg, Path(config_file).parent / "metrics.json")
+    job = Path(config_file).parent
+    metrics = JobMetrics(cfg, job / "metrics.json")
     callbacks: list[L.Callback] = [metrics]
+    checkpoint = job / "checkpoints" / "last.ckpt"
+    if int(cfg.trainer.checkpoint_every) > 0:
+        callbacks.append(PeriodicCheckpoint(checkpoint, int(cfg.trainer.checkpoint_every)))
+    fault = InjectedFault.from_env()  # tests only
+    # Lightning cannot see that the data module restores the epoch's position (resume.py).
+    warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended")
+    if fault is not None:
+        callbacks.append(fault)
     if cfg.trainer.progress_bar:
         from lightning.pytorch.callbacks import RichProgressBar
 
@@ -56,9 +69,9 @@ def main(config_file: str) -> None:
         log_every_n_steps=int(cfg.trainer.log_every_n_steps),
         enable_progress_bar=bool(cfg.trainer.progress_bar), enable_checkpointing=False,
         enable_model_summary=True, logger=False, callbacks=callbacks,
-        default_root_dir=str(Path(config_file).parent),
+        default_root_dir=str(job),
     )
-    trainer.fit(module, datamodule=data)
+    trainer.fit(module, datamodule=data, ckpt_path=last_checkpoint(checkpoint))
     metrics.finish(trainer, module)
     # Shut the group down while every rank is alive: left to interpreter exit, gloo's threads
     # can be torn down mid-flight and abort the process after a successful run.

@@ -33,6 +33,8 @@ class Job:
     launch: bool = True
     after: str | None = None
     """Name of a job that must finish first (a resume needs the saved state)."""
+    launch_args: list[str] = field(default_factory=list)
+    """Options for ``accelerate launch`` itself (e.g. ``--max_restarts``)."""
 
 
 @dataclass
@@ -63,7 +65,7 @@ def _command(job: Job) -> list[str]:
     # `accelerate launch` with this interpreter: the launch command's own entry point, which
     # skips importing the CLI's other commands (about 2 s of CPU per launch).
     return [sys.executable, "-m", "accelerate.commands.launch",
-            "--config_file", str(ACCELERATE_CONFIG), *script]
+            "--config_file", str(ACCELERATE_CONFIG), *job.launch_args, *script]
 
 
 def run_jobs(jobs: list[Job], parallel: int = 3, timeout: float = 400.0) -> dict[str, Outcome]:

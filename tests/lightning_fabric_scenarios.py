@@ -17,8 +17,9 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy
 from torch import nn
 
+from tests.hostile import forge_framework_state, forge_traversal
 from tests.models import MLP
-from zero_strategy.fabric import ZeroFabricStrategy
+from zero_strategy.fabric import CLIENT_KEY, ZeroFabricStrategy
 
 K = 3
 ACCUM = 2
@@ -112,6 +113,32 @@ def run(name: str, out_dir: Path, reference: dict[str, torch.Tensor] | None) -> 
         result["resume_rel"] = rel_diff(weights(model2), final)
         result["is_dir"] = ckpt.is_dir()
         result["precision"] = fabric.strategy.config.precision
+    if name == "zero3":
+        result["hostile"] = hostile_load(fabric, ckpt, out_dir)
+    return result
+
+
+def hostile_load(fabric: Fabric, ckpt: Path, out_dir: Path) -> dict[str, Any]:
+    """``fabric.load`` from forged copies of ``ckpt`` (a framework-state payload, a ``latest``
+    leaving the directory): refused, the model unchanged, nothing run."""
+    marker = out_dir / "fabric-payload.marker"
+    forged = {"framework_payload": out_dir / "fabric-forged-payload.ckpt",
+              "traversal": out_dir / "fabric-forged-traversal.ckpt"}
+    if fabric.global_rank == 0:
+        forge_framework_state(ckpt, forged["framework_payload"], marker, CLIENT_KEY)
+        forge_traversal(ckpt, forged["traversal"])
+    fabric.barrier()
+    model, opt, sched = build(fabric)
+    before = weights(model)
+    result = {}
+    for name, path in forged.items():
+        try:
+            fabric.load(path, {"model": model, "optimizer": opt, "scheduler": sched})
+            error = None
+        except Exception as e:  # the test asserts on the type and text
+            error = f"{type(e).__name__}: {e}"
+        result[name] = {"raised": error, "marker": marker.exists(),
+                        "untouched": rel_diff(weights(model), before) == 0.0}
     return result
 
 

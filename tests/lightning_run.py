@@ -51,9 +51,11 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import zero_strategy as zs  # noqa: E402
+from tests.hostile import forge_framework_state, forge_traversal  # noqa: E402
 from tests.lightning_fabric_scenarios import fabric_suite  # noqa: E402
 from tests.lightning_init_scenarios import init_suite  # noqa: E402
 from tests.models import MLP  # noqa: E402
+from zero_strategy.fabric import CLIENT_KEY  # noqa: E402
 from zero_strategy.lightning import ZeroStrategy, consolidate_checkpoint  # noqa: E402
 
 K = 4  # optimizer steps per epoch (64 samples, 2 ranks x batch 4, accumulation 2)
@@ -259,6 +261,32 @@ def preset(strategy: Callable[[], Any], name: str, out: Path) -> dict[str, Any]:
     return result
 
 
+def hostile_fit(out: Path) -> dict[str, Any]:
+    """``fit(ckpt_path=)`` from forged copies of the zero3 step-K checkpoint (a framework-state
+    payload, a ``latest`` leaving the directory): refused, the model unchanged, nothing run."""
+    source = out / "zero3" / f"epoch=0-step={K}.ckpt"
+    marker = out / "lightning-payload.marker"
+    forged = {"framework_payload": out / "forged-payload.ckpt",
+              "traversal": out / "forged-traversal.ckpt"}
+    if rank() == 0:
+        forge_framework_state(source, forged["framework_payload"], marker, CLIENT_KEY)
+        forge_traversal(source, forged["traversal"])
+    torch.distributed.barrier()
+    initial = {k: v.float() for k, v in MLPModule().state_dict().items()}
+    result = {}
+    for name, path in forged.items():
+        model = MLPModule()
+        t = trainer("zero3", 2 * K)
+        try:
+            t.fit(model, loader(1), ckpt_path=path)
+            error = None
+        except Exception as e:  # the test asserts on the type and text
+            error = f"{type(e).__name__}: {e}"
+        result[name] = {"raised": error, "marker": marker.exists(),
+                        "untouched": rel_diff(weights_of(t, model), initial) == 0.0}
+    return result
+
+
 def evaluate_from_checkpoint(strategy: Any, ckpt: Path) -> dict[str, Any]:
     """A fresh model evaluated from the post-fit checkpoint (an evaluation-only engine)."""
     t = trainer(strategy(), 1)
@@ -351,6 +379,7 @@ def trainer_suite(results: Results, out: Path) -> None:
         stage=3, unit_numel=500, param_persistence_threshold=40, timeout=TIMEOUT)
     for name, make in strategies.items():
         results.run(name, lambda make=make, name=name: preset(make, name, out))
+    results.run("hostile_fit", lambda: hostile_fit(out))
     results.run("ddp_value", lambda: value_clip(DDPStrategy(timeout=TIMEOUT), reference=True))
     results.run("zero3_value", lambda: value_clip("zero3"))
     results.run("bf16", bf16)

@@ -72,7 +72,7 @@ def load_elsewhere(stage: int) -> dict:
     engine.load_checkpoint(ROOT / "cross")
     saved = zs.consolidate(ROOT / "cross")
     full = engine.full_state_dict()
-    reader = zs.reshard.CheckpointReader(zs.checkpoint.resolve(ROOT / "cross"))
+    reader = zs.reshard.CheckpointReader(zs.reshard.resolve(ROOT / "cross"))
     states_equal = True
     rank = dist.get_rank() if engine.plan.optimizer_shards > 1 else 0
     for seg in engine.optimizer.segments:

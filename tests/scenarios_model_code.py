@@ -17,12 +17,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn import functional as F
 
 import zero_strategy as zs
 from tests.harness import register
+from tests.user_models import (
+    LOSSES,
+    D,
+    HiddenNet,
+    Loss,
+    Net,
+    batches,
+    loss_plain,
+    rel_diff,
+)
 
-D = 12
 LAYOUTS: dict[str, dict[str, Any]] = {
     "s0": {"stage": 0},
     "s1": {"stage": 1},
@@ -31,95 +39,6 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "s3coarse": {"stage": 3, "unit_numel": 10**9, "param_persistence_threshold": 0},
     "s3fine": {"stage": 3, "unit_numel": 1, "param_persistence_threshold": 0},
 }
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(D, D)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + torch.tanh(self.lin(h))
-
-
-class PosEmb(nn.Module):
-    """A module whose forward returns its own parameter."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pos = nn.Parameter(torch.randn(D) * 0.1)
-
-    def forward(self) -> torch.Tensor:
-        return self.pos
-
-
-class Net(nn.Module):
-    """Embedding, blocks, a position parameter returned by a submodule, a parent that reads a
-    child's weight itself (``self.mix.weight``), and an ``encode`` method besides forward."""
-
-    def __init__(self, vocab: int = 17) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, D)
-        self.pos = PosEmb()
-        self.blk = Block()
-        self.blk2 = Block()
-        self.mix = nn.Linear(D, D, bias=False)
-        self.head = nn.Linear(D, 3)
-
-    def encode(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.emb(ids).mean(1) + self.pos()
-        h = self.blk2(self.blk(h))
-        return h + 0.5 * torch.tanh(F.linear(h, self.mix.weight))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encode(ids))
-
-
-class HiddenNet(Net):
-    """Returns hidden states: the caller applies the (tied) head."""
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.encode(ids)
-
-
-def batches(gen: torch.Generator, world: int) -> list[dict[str, torch.Tensor]]:
-    return [{"ids": torch.randint(0, 17, (4, 5), generator=gen),
-             "y": torch.randint(0, 3, (4,), generator=gen)} for _ in range(world)]
-
-
-# Each loss gets (call, module, batch): ``call`` runs the forward (the engine, or the reference
-# model itself), ``module`` is the model object user code reaches attributes through.
-Loss = Callable[[Any, nn.Module, dict], torch.Tensor]
-
-
-def loss_plain(call: Any, module: nn.Module, b: dict) -> torch.Tensor:
-    return F.cross_entropy(call(b["ids"]), b["y"])
-
-
-def loss_l2(call: Any, module: nn.Module, b: dict) -> torch.Tensor:
-    """A regulariser that reads a parameter after forward."""
-    return loss_plain(call, module, b) + 0.05 * module.blk.lin.weight.pow(2).sum()
-
-
-def loss_tied_head(call: Any, module: nn.Module, b: dict) -> torch.Tensor:
-    """A tied output head applied by the caller: hidden states @ embedding matrix^T."""
-    logits = call(b["ids"]) @ module.emb.weight.T
-    return F.cross_entropy(logits, b["ids"][:, 0])
-
-
-def loss_encode(call: Any, module: nn.Module, b: dict) -> torch.Tensor:
-    """The model driven through a method other than forward."""
-    return F.cross_entropy(module.head(module.encode(b["ids"])), b["y"])
-
-
-LOSSES: dict[str, Loss] = {
-    "plain": loss_plain, "l2": loss_l2, "tied_head": loss_tied_head, "encode": loss_encode,
-}
-
-
-def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max(((a[k].double() - b[k].double()).abs().max()
-                / b[k].double().abs().max().clamp_min(1e-12)).item() for k in b)
 
 
 def optimizer_for(model: nn.Module, params: Any = None) -> torch.optim.Optimizer:
@@ -131,6 +50,7 @@ def train_pair(build: Callable[[], nn.Module], loss: Loss, layout: str, steps: i
                before_step: Callable[[int, nn.Module, torch.optim.Optimizer], None] | None = None,
                select: Callable[[nn.Module], Any] | None = None,
                after_wrap: Callable[[zs.ZeroEngine, nn.Module], None] | None = None,
+               wrap: Callable[[nn.Module], nn.Module] | None = None,
                **config: Any) -> dict[str, Any]:
     """Train the engine and the global-batch reference side by side; compare every step."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -139,8 +59,9 @@ def train_pair(build: Callable[[], nn.Module], loss: Loss, layout: str, steps: i
     model = copy.deepcopy(ref)
     initial = {k: v.clone() for k, v in ref.state_dict().items()}
     ref_opt = optimizer_for(ref, select(ref) if select else None)
-    opt = optimizer_for(model, select(model) if select else None)
-    engine = zs.ZeroEngine(model, opt, zs.ZeroConfig(**LAYOUTS[layout], **config))
+    target = wrap(model) if wrap is not None else model  # e.g. torch.compile(model)
+    opt = optimizer_for(target, select(model) if select else None)
+    engine = zs.ZeroEngine(target, opt, zs.ZeroConfig(**LAYOUTS[layout], **config))
     if after_wrap is not None:
         after_wrap(engine, model)
         after_wrap(None, ref)  # type: ignore[arg-type]
@@ -160,7 +81,8 @@ def train_pair(build: Callable[[], nn.Module], loss: Loss, layout: str, steps: i
         engine.step()
         out["loss"].append(value.item())
         out["ref_loss"].append(ref_losses[rank].item())
-    full, ref_sd = engine.full_state_dict(), ref.state_dict()
+    full = {k.removeprefix("_orig_mod."): v for k, v in engine.full_state_dict().items()}
+    ref_sd = ref.state_dict()
     out["rel"] = rel_diff(full, ref_sd)
     out["moved"] = max((ref_sd[k] - initial[k]).abs().max().item() for k in ref_sd)
     out["engine"] = engine
@@ -290,33 +212,16 @@ def compiled(when: str, layout: str) -> dict[str, Any]:
     (``module.compile()`` in place). Inductor at stage 3, where the gathers break the graph
     into eagerly run pieces; aot_eager below (inductor's C++ build would dominate the suite)."""
     backend = "inductor" if layout.startswith("s3") else "aot_eager"
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    ref = Net()
-    model = copy.deepcopy(ref)
-    initial = {k: v.clone() for k, v in ref.state_dict().items()}
-    ref_opt = optimizer_for(ref)
-    target = torch.compile(model, backend=backend) if when == "before" else model
-    engine = zs.ZeroEngine(target, optimizer_for(target), zs.ZeroConfig(**LAYOUTS[layout]))
-    if when == "after":
-        model.compile(backend=backend)
-    gen = torch.Generator().manual_seed(77)
-    out: dict[str, Any] = {"loss": [], "ref_loss": []}
-    for _ in range(3):
-        data = batches(gen, world)
-        ref_losses = [loss_plain(ref, ref, b) for b in data]
-        (sum(ref_losses) / world).backward()
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        value = loss_plain(engine, model, data[rank])
-        engine.backward(value)
-        engine.step()
-        out["loss"].append(value.item())
-        out["ref_loss"].append(ref_losses[rank].item())
-    full = {k.removeprefix("_orig_mod."): v for k, v in engine.full_state_dict().items()}
-    out["rel"] = rel_diff(full, ref.state_dict())
-    out["moved"] = max((v - initial[k]).abs().max().item() for k, v in ref.state_dict().items())
-    return out
+
+    def after_wrap(engine: zs.ZeroEngine | None, model: nn.Module) -> None:
+        if engine is not None and when == "after":
+            model.compile(backend=backend)
+
+    def wrap(model: nn.Module) -> nn.Module:
+        return torch.compile(model, backend=backend) if when == "before" else model
+
+    return summary(train_pair(Net, loss_plain, layout, steps=3, after_wrap=after_wrap,
+                              wrap=wrap))
 
 
 # ---------------------------------------------------------------- trainability changes
@@ -351,6 +256,24 @@ def trainability(kind: str, layout: str) -> dict[str, Any]:
     engine = out.pop("engine")
     out["blk_grad_none"] = all(p.grad is None for p in engine.module.blk.parameters())
     return out
+
+
+def stray_grad(layout: str) -> dict[str, Any]:
+    """A .grad that did not come through engine.backward() is refused, not ignored."""
+    torch.manual_seed(0)
+    model = Net()
+    engine = zs.ZeroEngine(model, optimizer_for(model), zs.ZeroConfig(**LAYOUTS[layout]))
+    data = batches(torch.Generator().manual_seed(1), dist.get_world_size())[dist.get_rank()]
+    engine.backward(loss_plain(engine, model, data))
+    model.head.bias.grad = torch.ones(3)
+    try:
+        engine.step()
+        message = "no error"
+    except RuntimeError as e:
+        message = str(e)
+    engine.zero_grad()
+    engine.backward(loss_plain(engine, model, data))
+    return {"message": message, "then_steps": engine.step()}
 
 
 # ---------------------------------------------------------------- dtypes
@@ -456,6 +379,7 @@ for _layout in LAYOUTS:
     for _kind in ("freeze_at_2", "every_step", "unfreeze_add_group", "unfreeze_no_group"):
         register(f"trainability_{_kind}_{_layout}", trainability, kind=_kind, layout=_layout)
     register(f"dtypes_{_layout}", dtypes, layout=_layout)
+    register(f"stray_grad_{_layout}", stray_grad, layout=_layout)
     register(f"moe_{_layout}", moe, layout=_layout)
 register("moe_s3fine_leaf", moe, layout="s3fine", leaf=True)
 for _layout in ("s0", "s2", "s3coarse", "s3fine"):

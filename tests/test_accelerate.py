@@ -48,6 +48,12 @@ def outcomes(work: Path) -> dict[str, Outcome]:
                         work / name, env=env))
         jobs.append(Job(f"{name}-resumed", [*COMMON, *overrides, "--resume", ckpt],
                         work / f"{name}-resumed", env=env, after=name))
+    # Rank 1 SIGKILLed after step 5 of a run checkpointing every 2 steps, launched with
+    # restarts: the relaunched workers resume from step 4 (tests fault tolerance).
+    jobs.append(Job("zero3-killed", [*COMMON, *SMALL_UNITS, "--checkpoint-every", "2",
+                                     "--checkpoint-dir", str(work / "zero3-killed-ckpt")],
+                    work / "zero3-killed", launch_args=["--max_restarts", "1"],
+                    env={CONFIG_ENV: str(CONF / "zero3.yaml"), "ZS_FAULT_KILL_STEP": "5"}))
     bad = work / "bad_plugin.yaml"
     bad.write_text("stage: 3\nofload_params: true\n")
     jobs.append(Job("bad", COMMON, work / "bad", env={CONFIG_ENV: str(bad)}))
@@ -125,6 +131,15 @@ def test_matches_plain_accelerate_ddp(runs: dict[str, Outcome], name: str) -> No
     rel = _weights_rel(ref[0]["weights"], got[0]["weights"])
     assert rel <= TOL, f"{name}: final weights differ from DDP's by {rel:.2e}"
     assert _close(ref[0]["eval_loss"], got[0]["eval_loss"]), "no_grad evaluation after training"
+    # optimizer.state_dict() on the prepared optimizer: torch's format, the same parameter
+    # indices and keys as plain Accelerate's; each state's sum of |x| agrees to the elements' fp32
+    # summation-order difference (steps exactly).
+    theirs, ours = ref[0]["optimizer_state"], got[0]["optimizer_state"]
+    assert sorted(ours) == sorted(theirs)
+    for index, entry in theirs.items():
+        assert sorted(ours[index]) == sorted(entry), index
+        for key, value in entry.items():
+            assert _close(ours[index][key], value), (index, key)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -276,3 +291,17 @@ def test_a_launch_that_accelerate_counts_as_one_process_is_refused(
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)  # whatever ran before
     with pytest.raises(RuntimeError, match="2 processes were launched but Accelerate counts 1"):
         _ensure_process_group(torch.device("cpu"), num_processes=1)
+
+
+def test_killed_worker_restarts_and_ends_with_the_uninterrupted_weights(
+        runs: dict[str, Outcome]) -> None:
+    """``accelerate launch --max_restarts 1``: rank 1 dies after step 5, the launcher restarts
+    both workers, which resume from the step-4 checkpoint (the newest complete one) and end
+    with the uninterrupted zero3 run's weights, bit for bit."""
+    killed, full = runs["zero3-killed"], _ok(runs["zero3"])
+    assert "exitcode: -9" in killed.log, killed.log[-4000:]
+    again = _ok(killed)
+    for a, b in zip(full, again):
+        assert b["start_step"] == 4 and b["steps"] == STEPS
+        assert b["losses"] == a["losses"][4 * ACCUM:]
+    assert again[0]["weights"] == full[0]["weights"]

@@ -35,8 +35,9 @@ from zero_strategy.config import STAGE3_DEFAULTS
          "loss_scale.initial_scale", "power of two"),
         ({"loss_scale": {"hysteresis": 0}, "precision": "16-mixed"}, "loss_scale.hysteresis", ""),
         ({"loss_scale": {"static_scale": -1.0}, "precision": "16-mixed"},
-         "loss_scale.static_scale", "> 0"),
-        ({"loss_scale": {"min_scale": 0}, "precision": "16-mixed"}, "loss_scale.min_scale", "> 0"),
+         "loss_scale.static_scale", "(0, 2**64]"),
+        ({"loss_scale": {"min_scale": 0}, "precision": "16-mixed"}, "loss_scale.min_scale",
+         "(0, 2**64]"),
         ({"loss_scale": {"growth_interval": 10}}, "loss_scale", "16-mixed"),
     ],
 )

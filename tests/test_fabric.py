@@ -57,6 +57,18 @@ def test_save_and_load_resume_exactly(suite: dict, name: str) -> None:
         assert r["resume_rel"] <= TOL
 
 
+def test_load_refuses_forged_checkpoints_before_changing_anything(suite: dict) -> None:
+    """A framework-state payload (refused by weights_only) and a ``latest`` that leaves the
+    directory: fabric.load raises, the model is unchanged, the payload never ran."""
+    expected = {"framework_payload": "cannot be loaded with weights_only",
+                "traversal": "is not a plain file or directory name"}
+    for r in check(suite["fabric_zero3"]):
+        for name, text in expected.items():
+            got = r["hostile"][name]
+            assert got["raised"] is not None and text in got["raised"], (name, got)
+            assert got["untouched"] and not got["marker"], (name, got)
+
+
 def test_registered_names_and_precision() -> None:
     for name, preset in PRESETS.items():
         assert name in STRATEGY_REGISTRY, name

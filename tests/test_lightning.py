@@ -134,6 +134,17 @@ def test_checkpoint_after_fit_evaluates_and_consolidates(suite: dict, name: str)
 
 
 # ---------------------------------------------------------------------- other behaviour
+def test_fit_refuses_forged_checkpoints_before_changing_anything(suite: dict) -> None:
+    """``fit(ckpt_path=)`` with a framework-state payload (refused by weights_only) or a
+    ``latest`` that leaves the directory: raises, the model keeps its weights, nothing ran."""
+    expected = {"framework_payload": "cannot be loaded with weights_only",
+                "traversal": "is not a plain file or directory name"}
+    for r in check(suite["hostile_fit"]):
+        for name, text in expected.items():
+            assert r[name]["raised"] is not None and text in r[name]["raised"], (name, r[name])
+            assert r[name]["untouched"] and not r[name]["marker"], (name, r[name])
+
+
 def test_configure_model_builds_sharded(suite: dict) -> None:
     """No rank ever holds the whole fp32 model: peak RSS growth from setup() to the start of
     training stays well under the model's 128 MiB; built in __init__ instead, it exceeds it."""

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from tests.harness import check, run_world
-from tests.scenarios_model_code import LAYOUTS, LOSSES
+from tests.scenarios_model_code import LAYOUTS
+from tests.user_models import LOSSES
 
 # fp32: the reference sums the ranks' losses before one backward, the engine averages the
 # ranks' gradients in a reduce-scatter/all-reduce; each step's gradients then differ by a few
@@ -95,6 +96,13 @@ def test_requires_grad_changes_after_wrapping(world: dict, kind: str, layout: st
     assert_parity(results)
     if kind != "unfreeze_no_group":  # unfrozen without a param group: .grad as in torch
         assert all(r["blk_grad_none"] for r in results)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_grad_outside_the_engine_is_refused(world: dict, layout: str) -> None:
+    for r in check(world[f"stray_grad_{layout}"]):
+        assert "['head.bias'] hold a .grad that did not go through" in r["message"], r
+        assert r["then_steps"] is True, "zero_grad() after the error leaves the engine ready"
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

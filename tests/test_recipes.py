@@ -4,6 +4,8 @@ fast two-strategy sweep runs as real 2-process jobs and writes the report."""
 from __future__ import annotations
 
 import csv
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -68,9 +70,11 @@ def test_optuna_search_composes() -> None:
     assert cfg.trainer.max_steps > 0
 
 
-def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def _run(*args: str, cwd: Path, env: dict[str, str] | None = None
+         ) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "recipes" / "train.py"), *args],
-                          capture_output=True, text=True, cwd=cwd, timeout=600)
+                          capture_output=True, text=True, cwd=cwd, timeout=600,
+                          env={**os.environ, **(env or {})})
 
 
 @pytest.mark.parametrize(("override", "key"), [("strategy=zero4", "strategy"),
@@ -82,10 +86,19 @@ def test_wrong_override_names_the_key(override: str, key: str, tmp_path: Path) -
     assert run.returncode != 0 and key in run.stderr + run.stdout
 
 
-def test_fast_sweep_writes_report(tmp_path: Path) -> None:
+FAST = ("trainer=fast", "model.size=tiny", "trainer.max_steps=6")
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    tmp_path = tmp_path_factory.mktemp("sweep")
     sweep = tmp_path / "sweep"
-    run = _run("-m", "strategy=ddp,zero3", "trainer=fast", "model.size=tiny",
-               "trainer.max_steps=6", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    run = _run("-m", "strategy=ddp,zero3", *FAST, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    return sweep, run
+
+
+def test_fast_sweep_writes_report(sweep: tuple[Path, subprocess.CompletedProcess]) -> None:
+    sweep, run = sweep
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     for name in ("report.md", "report.csv", "report.png"):
         assert (sweep / name).stat().st_size > 0
@@ -102,3 +115,24 @@ def test_fast_sweep_writes_report(tmp_path: Path) -> None:
     # identical data and initial weights: the first loss is the same under both strategies
     assert float(zero3["first_loss"]) == pytest.approx(float(ddp["first_loss"]), rel=1e-5)
     assert run.stdout.count("processes: ") == 2, "each job must run exactly once"
+    assert "--max-restarts 3" in run.stdout, "workers start with restarts enabled"
+
+
+def test_killed_worker_restarts_and_ends_with_the_uninterrupted_weights(
+        sweep: tuple[Path, subprocess.CompletedProcess], tmp_path: Path) -> None:
+    """Rank 1 is SIGKILLed right after step 5 (as a lost node would be); torch.distributed.run
+    restarts both workers, which resume from the step-4 checkpoint and finish with weights
+    bit-identical to the sweep's uninterrupted zero3 job."""
+    job = tmp_path / "job"
+    run = _run("strategy=zero3", *FAST, "trainer.checkpoint_every=2", f"hydra.run.dir={job}",
+               cwd=tmp_path, env={"ZS_FAULT_KILL_STEP": "5", "ZS_FAULT_KILL_RANK": "1"})
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-4000:]
+    assert "exitcode: -9" in log and "Restoring states from the checkpoint" in log, log[-4000:]
+    sweep_dir, _ = sweep
+    reference = next(m for m in (json.loads(p.read_text()) for p in sweep_dir.glob(
+        "*/metrics.json")) if m["strategy"] == "zero3")
+    resumed = json.loads((job / "metrics.json").read_text())
+    assert resumed["steps"] == reference["steps"] == 6
+    assert resumed["weights_sha256"] == reference["weights_sha256"]
+    assert resumed["train_loss"] == reference["train_loss"]

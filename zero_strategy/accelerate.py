@@ -50,8 +50,9 @@ Differences from plain Accelerate, all because the state is sharded:
 - ``clip_grad_norm_`` on a micro-batch that does not synchronise returns None and clips nothing
   (DDP would clip the local partial gradient); guard it with ``if accelerator.sync_gradients``.
 - ``get_state_dict``, ``save_model``, ``save_state``, ``load_state`` and the prepared model's
-  ``state_dict()`` are collectives: call them on every rank. ``optimizer.state_dict()`` and
-  ``model.load_state_dict()`` raise; checkpoint with ``save_state``/``load_state``.
+  ``state_dict()`` are collectives: call them on every rank. So are ``optimizer.state_dict()``
+  (the whole state in torch's format) and ``load_state_dict()`` of the model and optimizer;
+  ``save_state``/``load_state`` keep the state sharded.
 - ``save_state`` writes Accelerate's own files (schedulers, samplers, RNG per rank, step,
   registered objects) and the engine's sharded checkpoint in ``zero_checkpoint/``, then waits
   for every rank. The engine part loads on any world size and stage.
@@ -63,6 +64,7 @@ Differences from plain Accelerate, all because the state is sharded:
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import re
 import types
@@ -76,12 +78,15 @@ import torch
 import yaml
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import DynamoBackend, convert_to_fp32
+from accelerate.utils import DynamoBackend, InitProcessGroupKwargs, convert_to_fp32
+from accelerate.utils import load as accelerate_load
 from torch import nn
 
-from . import collectives
+from . import collectives, reshard
+from .checkpoint import CheckpointError
 from .config import PRECISIONS, LossScaleConfig, ZeroConfig
 from .engine import ZeroEngine
+from .validation import member, refusal
 
 CONFIG_ENV = "ZERO_STRATEGY_CONFIG"
 """Environment variable naming the plugin config file (a YAML mapping of ZeroConfig fields)."""
@@ -267,10 +272,15 @@ class ZeroModel(nn.Module):
         return {f"{prefix}module.{key}": value for key, value in full.items()}
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        raise RuntimeError(
-            "a ZeRO-sharded model cannot load a full state dict in place; load weights into the "
-            "model before accelerator.prepare(), or resume with accelerator.load_state()"
-        )
+        """A full state dict (``module.`` keys as ``state_dict()`` writes them, or the user
+        model's own keys) into the shards; checked before anything is written."""
+        if assign:
+            raise ValueError("assign=True would replace tensors the ZeRO engine owns; load "
+                             "with assign=False")
+        prefix = "module."
+        if state_dict and all(k.startswith(prefix) for k in state_dict):
+            state_dict = {k[len(prefix):]: v for k, v in state_dict.items()}
+        return self.engine.load_state_dict(state_dict, strict=strict)
 
 
 class ZeroOptimizer(AcceleratedOptimizer):
@@ -296,14 +306,12 @@ class ZeroOptimizer(AcceleratedOptimizer):
             self.engine.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
-        raise RuntimeError(
-            "the optimizer state is sharded across ranks; save it with accelerator.save_state()"
-        )
+        """The whole optimizer state in torch's format (a collective that materialises it;
+        ``accelerator.save_state()`` writes shards instead)."""
+        return self.engine.optimizer_state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        raise RuntimeError(
-            "the optimizer state is sharded across ranks; restore it with accelerator.load_state()"
-        )
+        self.engine.load_optimizer_state_dict(state_dict)
 
 
 # ---------------------------------------------------------------------------------- accelerator
@@ -326,7 +334,17 @@ class ZeroAccelerator(Accelerator):
         config = plugin.resolve(mixed_precision)  # fails before any process group exists
         if not kwargs.get("cpu") and not _has_accelerator_device():
             kwargs["cpu"] = True
+        handlers = list(kwargs.get("kwargs_handlers") or [])
+        if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
+            # The group Accelerate creates waits as long as the engine's collectives do.
+            handlers.append(InitProcessGroupKwargs(
+                timeout=datetime.timedelta(seconds=config.timeout)))
+            kwargs["kwargs_handlers"] = handlers
         self._zero_mixed_precision = mixed_precision
+        # Under a restarting launcher the group must be created per attempt (Accelerate skips
+        # creating its own when one exists).
+        collectives.init_restartable_group("gloo" if kwargs.get("cpu") else "nccl",
+                                           config.timeout)
         # Accelerate must not autocast or build a GradScaler: the engine owns precision.
         super().__init__(mixed_precision="no", **kwargs)
         self.zero_plugin = plugin
@@ -492,15 +510,31 @@ class ZeroAccelerator(Accelerator):
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None,
                    **load_model_func_kwargs: Any) -> None:
+        """Validate, then restore: the engine's checkpoint is checked completely and read,
+        the state folder's files are checked (regular files inside it), registered objects'
+        files are unpickled with ``weights_only=True`` only (Accelerate itself uses
+        ``weights_only=False``); then Accelerate restores its own state and the engine
+        commits. A refused checkpoint leaves the ZeRO model and optimizer as they were."""
         if self._zero_model is None:
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
-        input_dir = self._checkpoint_dir(input_dir)
-        client = self.engine.load_checkpoint(Path(input_dir) / CHECKPOINT_SUBDIR) or {}
+        folder = Path(self._checkpoint_dir(input_dir))
+        _check_state_folder(folder)
+        custom = _read_custom_states(folder, len(self._custom_objects))
+
+        def restore_accelerate(client: dict[str, Any] | None) -> None:  # before the commit
+            groups = (client or {}).get("param_groups", [])
+            if len(groups) != len(self.engine.user_optimizer.param_groups):
+                raise CheckpointError(
+                    f"{folder}: saved with {len(groups)} optimizer param groups, the optimizer "
+                    f"has {len(self.engine.user_optimizer.param_groups)}")
+            with self._zero_objects_hidden(), _custom_states_from(custom):
+                Accelerator.load_state(self, str(folder), load_kwargs, **load_model_func_kwargs)
+
+        client = reshard.load(self.engine, folder / CHECKPOINT_SUBDIR,
+                              before_commit=restore_accelerate) or {}
         for group, saved in zip(self.engine.user_optimizer.param_groups,
                                 client.get("param_groups", [])):
             group.update(saved)
-        with self._zero_objects_hidden():
-            super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
 
     def _checkpoint_dir(self, input_dir: str | None) -> str:
         """``input_dir``, or the latest automatically named checkpoint (as Accelerate picks it)."""
@@ -513,7 +547,8 @@ class ZeroAccelerator(Accelerator):
             raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
         root = os.path.join(self.project_dir, "checkpoints")
         folders = sorted(os.listdir(root), key=lambda f: int(re.findall(r"(\d+)$", f)[0]))
-        return os.path.join(root, folders[-1])
+        return str(member(Path(root), Path(root, folders[-1]), "checkpoint folder",
+                          directory=True))
 
     @contextlib.contextmanager
     def _zero_objects_hidden(self) -> Iterator[None]:
@@ -535,6 +570,61 @@ class ZeroAccelerator(Accelerator):
 
 
 # ---------------------------------------------------------------------------------- helpers
+# The files Accelerate's load_state reads from a state folder, by name.
+_ACCELERATE_FILES = re.compile(
+    r"(model|pytorch_model|optimizer|scheduler|sampler|dl_state_dict)(_\d+)?\.(bin|safetensors)"
+    r"|random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl|scaler\.pt")
+
+
+def _check_state_folder(folder: Path) -> None:
+    """Each file Accelerate will read is a regular file inside the folder: no link out of it,
+    no FIFO or device (reading ``/dev/zero`` never ends). What those files contain is read by
+    Accelerate (``weights_only=True``, except registered objects: see ``_read_custom_states``)."""
+    for entry in folder.iterdir():
+        if _ACCELERATE_FILES.fullmatch(entry.name):
+            member(folder, entry, f"Accelerate state file {entry.name!r}")
+
+
+def _read_custom_states(folder: Path, count: int) -> list[Any]:
+    """The states of the ``count`` registered objects, unpickled with ``weights_only=True``
+    (tensors, numbers, strings, containers: no code runs); a file that needs more is refused."""
+    states = []
+    for index in range(count):
+        file = folder / f"custom_checkpoint_{index}.pkl"
+        if not file.exists() and not file.is_symlink():
+            states.append(None)  # Accelerate's own count check reports it
+            continue
+        member(folder, file, f"registered object {index}'s state")
+        try:
+            states.append(accelerate_load(file, map_location="cpu", weights_only=True))
+        except Exception as e:  # the restricted unpickler refused something: never retried
+            raise CheckpointError(
+                f"{file}: refused: cannot be unpickled with weights_only=True ({refusal(e)}). "
+                "Accelerate would load it with weights_only=False, which runs any code the "
+                "file holds; a registered object's state_dict() must hold plain data "
+                "(tensors, numbers, strings, lists, dicts)") from e
+    return states
+
+
+@contextlib.contextmanager
+def _custom_states_from(states: list[Any]) -> Iterator[None]:
+    """Accelerate (1.x) unpickles registered objects' files with ``weights_only=False``.
+    For the duration of one ``load_state`` its loader hands out the states read safely
+    beforehand instead (``accelerate.accelerator`` calls it by this module-level name)."""
+    import accelerate.accelerator as accelerator_module
+
+    original = accelerator_module.load_custom_state
+
+    def load(obj: Any, path: str, index: int = 0) -> None:
+        obj.load_state_dict(states[index])
+
+    accelerator_module.load_custom_state = load
+    try:
+        yield
+    finally:
+        accelerator_module.load_custom_state = original
+
+
 def _reject_other_backends(kwargs: dict[str, Any]) -> None:
     for name in ("deepspeed_plugin", "deepspeed_plugins", "fsdp_plugin", "megatron_lm_plugin",
                  "torch_tp_plugin", "parallelism_config"):

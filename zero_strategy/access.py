@@ -53,12 +53,17 @@ class ParamAccess:
                     self.sharded.add(id(p))
 
     # ---------------------------------------------------------------- attribute reads
+    def unit_to_gather(self, value: object) -> Unit | None:
+        """The unit to gather before ``value`` (an attribute just read) can be used, if any.
+        Plain Python on the hot path: every module attribute read at stage 3 comes here."""
+        if id(value) not in self.sharded:
+            return None
+        unit = self.place[id(value)][0]
+        return None if unit.param_store.state is ParamState.UNSHARDED else unit
+
     @torch._dynamo.disable  # a gather cannot be traced; torch.compile breaks the graph here
-    def on_read(self, value: object) -> None:
-        if id(value) in self.sharded:
-            unit, _ = self.place[id(value)]
-            if unit.param_store.state is not ParamState.UNSHARDED:
-                self.runtime.gather_for_access(unit)
+    def gather(self, unit: Unit) -> None:
+        self.runtime.gather_for_access(unit)
 
     # ---------------------------------------------------------------- conversions
     def check_apply(self, module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:

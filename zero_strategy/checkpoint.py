@@ -10,10 +10,12 @@ Layout of a checkpoint directory::
     CKPT/<tag>/module.safetensors    frozen parameters and buffers (rank 0's copy)
     CKPT/<tag>/client_state.pt       optional caller state (loaded with weights_only=True)
 
-A tag is written under a temporary name and renamed once every file is complete, so a
-process killed mid-write leaves the previous checkpoint and ``latest`` untouched. Loading
-maps every parameter range of the new layout onto the old shards that hold it, so a
-checkpoint loads on any world size and stage with no conversion step.
+A tag is written under a temporary name; the ranks agree that every write succeeded, then it
+is renamed into place and ``latest`` replaced. A process killed at any point leaves ``latest``
+loadable, a failed save raises on every rank and leaves nothing behind, and the next save
+clears what interrupted ones left. Loading (``reshard.py``, after ``validation.py``) maps
+every parameter range of the new layout onto the old shards that hold it, so a checkpoint
+loads on any world size and stage with no conversion step.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from safetensors.torch import save_file
 
 from .flat import FlatLayout, Slot
+from .optim_state import hyperparameters, local_records
 
 if TYPE_CHECKING:
     from .engine import ZeroEngine
@@ -38,6 +41,7 @@ VERSION = 2
 READABLE_VERSIONS = (1, 2)
 """v2 records optimizer state per parameter (v1: scalar states per param group)."""
 MANIFEST = "manifest.json"
+LATEST = "latest"
 MODULE_FILE = "module.safetensors"
 CLIENT_FILE = "client_state.pt"
 
@@ -48,6 +52,16 @@ class CheckpointError(RuntimeError):
 
 def shard_file(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
+
+
+def tmp_name(tag: str) -> str:
+    """Where a tag is written until it is complete."""
+    return f".tmp-{tag}"
+
+
+def old_name(tag: str) -> str:
+    """Where the previous version of a tag waits while an overwrite replaces it."""
+    return f".old-{tag}"
 
 
 # ---------------------------------------------------------------------------- small helpers
@@ -68,13 +82,18 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write, flush to disk, then rename over ``path``: readers see old or new, never half."""
+    """Write, flush to disk, then rename over ``path``: readers see old or new, never half.
+    A failed write removes its temporary file."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
 
 
@@ -105,20 +124,47 @@ def _layout_from_json(data: dict[str, Any]) -> FlatLayout:
 # ---------------------------------------------------------------------------- saving
 def save(engine: ZeroEngine, directory: str | os.PathLike, *, tag: str | None = None,
          client_state: dict[str, Any] | None = None) -> Path:
-    """Every rank calls this; returns the path of the written tag directory."""
+    """Every rank calls this; returns the path of the written tag directory.
+
+    Every rank writes its files under ``.tmp-<tag>``; the ranks then agree that all writes
+    succeeded before rank 0 publishes, so a failure anywhere (a full disk on one rank) makes
+    every rank raise at once, naming the rank, with the partial files removed and ``latest``
+    unchanged.
+    """
     comm = engine.comm
     root = Path(directory)
     tag = tag or f"step-{engine.global_step:08d}"
-    if "/" in tag or tag.startswith("."):
+    if "/" in tag or "\\" in tag or tag.startswith(".") or not tag.strip():
         raise ValueError(f"checkpoint tag must be a plain name, got {tag!r}")
-    tmp = root / f".tmp-{tag}"
+    tmp = root / tmp_name(tag)
+    _agree(comm, root, tag, "preparing the directory",
+           _attempt(lambda: _prepare(root, tmp)) if comm.rank == 0 else None)
+    written: tuple[dict[str, Any], dict[str, Any], list[str]] = ({}, {}, [])
+    error = None
+    try:
+        written = _write_rank_files(engine, tmp, client_state)
+    except Exception as e:  # reported to every rank below, then re-raised here
+        error = e
+    gathered = comm.all_gather_object((*written, _describe(error)))
+    failed = [(r, part[3]) for r, part in enumerate(gathered) if part[3] is not None]
+    if failed:
+        _abandon(comm, tmp)
+        raise _save_error(root, tag, failed) from error
+    error = None
     if comm.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier interrupted save
-        tmp.mkdir()
-    comm.barrier()
+        error = _attempt(lambda: _finish(engine, root, tmp, tag, gathered,
+                                         client_state is not None))
+    _agree(comm, root, tag, "publishing", error, cleanup=tmp)
+    return root / tag
+
+
+def _write_rank_files(engine: ZeroEngine, tmp: Path, client_state: dict[str, Any] | None
+                      ) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """This rank's shard file (and on rank 0 the module and client files): their sizes and
+    sha256, the optimizer records and the state keys, for the manifest."""
+    comm = engine.comm
     files: dict[str, Any] = {}
-    tensors, scalars = _shard_tensors(engine)
+    tensors, records = _shard_tensors(engine)
     shard_index = comm.rank if engine.plan.optimizer_shards > 1 else 0
     if engine.plan.optimizer_shards > 1 or comm.rank == 0:
         name = shard_file(shard_index)
@@ -126,72 +172,153 @@ def save(engine: ZeroEngine, directory: str | os.PathLike, *, tag: str | None = 
     if comm.rank == 0:
         files[MODULE_FILE] = _save_tensors(engine.unmanaged_state(), tmp / MODULE_FILE)
         if client_state is not None:
-            _save_client_state(client_state, tmp / CLIENT_FILE)
+            files[CLIENT_FILE] = _save_client_state(client_state, tmp / CLIENT_FILE)
     state_keys = sorted({k.split(".", 1)[1] for k in tensors if not k.endswith(".master")})
-    gathered = comm.all_gather_object((files, scalars, state_keys))
+    return files, records, state_keys
+
+
+def _finish(engine: ZeroEngine, root: Path, tmp: Path, tag: str, gathered: list[Any],
+            client: bool) -> None:
+    """Rank 0, once every rank's files are written: the manifest, then publish."""
+    merged: dict[str, Any] = {"files": {}, "param_states": {}, "state_keys": set()}
+    for part_files, part_states, part_keys, _ in gathered:
+        merged["files"].update(part_files)
+        merged["param_states"].update(part_states)
+        merged["state_keys"].update(part_keys)
+    manifest = _manifest(engine, tag, merged, client)
+    write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+    _publish(root, tmp, tag)
+
+
+def _attempt(action: Any) -> str | None:
+    """Run ``action``; its exception as text (for the other ranks), or None."""
+    try:
+        action()
+    except Exception as e:  # every rank must hear of it, so it travels as text
+        return _describe(e)
+    return None
+
+
+def _describe(error: BaseException | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def _agree(comm: Any, root: Path, tag: str, step: str, error: str | None,
+           cleanup: Path | None = None) -> None:
+    """Every rank learns whether ``step`` failed anywhere; all raise together."""
+    failed = comm.failures(error)
+    if failed:
+        if cleanup is not None:
+            _abandon(comm, cleanup)
+        raise _save_error(root, tag, failed, step)
+
+
+def _abandon(comm: Any, tmp: Path) -> None:
+    """A failed save leaves nothing behind: rank 0 removes the partial tag once every rank
+    has stopped writing into it."""
     if comm.rank == 0:
-        merged: dict[str, Any] = {"files": {}, "param_states": {}, "state_keys": set()}
-        for part_files, part_states, part_keys in gathered:  # type: ignore[misc]
-            merged["files"].update(part_files)
-            merged["param_states"].update(part_states)
-            merged["state_keys"].update(part_keys)
-        manifest = _manifest(engine, tag, merged, client_state is not None)
-        write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
-        _publish(root, tmp, tag)
+        _remove(tmp)
     comm.barrier()
-    return root / tag
+
+
+def _save_error(root: Path, tag: str, failed: list[tuple[int, str]],
+                step: str = "writing") -> CheckpointError:
+    causes = "; ".join(f"rank {r}: {e}" for r, e in failed)
+    return CheckpointError(
+        f"{root}: saving checkpoint {tag!r} failed while {step} on "
+        f"{'rank' if len(failed) == 1 else 'ranks'} {', '.join(str(r) for r, _ in failed)} "
+        f"({causes}); nothing was published, the partial files were removed and "
+        f"'{LATEST}' still names the previous checkpoint")
+
+
+def _prepare(root: Path, tmp: Path) -> None:
+    """Rank 0 before writing: clear what interrupted saves left behind, then the new tag's
+    temporary directory."""
+    root.mkdir(parents=True, exist_ok=True)
+    recover(root)
+    tmp.mkdir()
+
+
+def recover(root: Path) -> None:
+    """Debris of saves that were killed or failed: partial ``.tmp-*`` tags and temporary
+    ``latest`` files are removed; an ``.old-<tag>`` whose tag is missing (killed between
+    the two renames of an overwrite) becomes ``<tag>`` again, else it is removed. One writer
+    per checkpoint directory is assumed."""
+    for entry in sorted(root.iterdir()):
+        name = entry.name
+        if name.startswith(".tmp-") or name.startswith(f".{LATEST}.tmp-"):
+            _remove(entry)
+        elif name.startswith(".old-"):
+            tag = root / name[len(".old-"):]
+            if tag.exists() or tag.is_symlink():
+                _remove(entry)
+            else:
+                os.replace(entry, tag)
+    _fsync_dir(root)
+
+
+def _remove(path: Path) -> None:
+    """Delete a file or directory; a symlink is removed itself, never what it points to."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def _reached(point: str) -> None:
+    """Test seam: the crash tests replace this to kill the process at a named point of
+    publishing (tests/test_checkpoint_faults.py). Does nothing otherwise."""
 
 
 def _publish(root: Path, tmp: Path, tag: str) -> None:
+    """Move the complete ``tmp`` into place as ``tag``, then point ``latest`` at it. A kill
+    at any point leaves ``latest`` loadable: between the two renames of an overwrite the tag
+    is missing and readers take ``.old-<tag>`` (the next save restores it)."""
     final = root / tag
-    if final.exists():  # overwriting a tag: keep the old one until the new one is in place
-        old = root / f".old-{tag}"
-        shutil.rmtree(old, ignore_errors=True)
+    if final.exists() or final.is_symlink():
+        old = root / old_name(tag)
+        _remove(old)
+        _reached("old-cleared")
         os.replace(final, old)
+        _reached("old-moved")
         os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        _reached("new-moved")
+        _fsync_dir(root)
+        _remove(old)
+        _reached("old-removed")
     else:
         os.replace(tmp, final)
+        _reached("new-moved")
     _fsync_dir(root)
-    write_atomic(root / "latest", tag.encode())
+    write_atomic(root / LATEST, tag.encode())
+    _reached("latest-written")
 
 
 def _shard_tensors(
     engine: ZeroEngine,
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
     """This rank's master shards and parameter-sized optimizer states, one flat tensor per
-    unit and key (laid out like the master), and per parameter that has optimizer state: its
-    scalar states (Adam's step) and the names of its tensor states."""
+    unit and key (laid out like the master), and the per-parameter records of which states
+    exist (with the scalar ones, Adam's step)."""
     out: dict[str, torch.Tensor] = {}
-    states: dict[str, dict[str, Any]] = {}
     for unit in engine.units:
         out[f"u{unit.index}.master"] = unit.param_store.master
     for seg in engine.optimizer.segments:
-        state = engine.optimizer.inner.state.get(seg.view, {})
-        if not state:
-            continue  # never stepped (frozen since construction): no state to restore
-        record = states.setdefault(seg.unit.layout.slots[seg.index].name,
-                                   {"scalars": {}, "tensors": []})
-        for key, value in state.items():
-            if not isinstance(value, torch.Tensor):
+        for key, value in engine.optimizer.inner.state.get(seg.view, {}).items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
                 continue
-            if value.dim() == 0:
-                record["scalars"][key] = float(value)
-                continue
-            record["tensors"].append(key)
             name = f"u{seg.unit.index}.{key}"
             if name not in out:
                 out[name] = torch.zeros(seg.unit.layout.shard_numel, dtype=value.dtype)
             out[name][seg.start : seg.end] = value.detach().cpu()
-    return out, states
+    return out, local_records(engine.optimizer)
 
 
-def _save_client_state(state: dict[str, Any], path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    with open(tmp, "rb") as f:
+def _save_client_state(state: dict[str, Any], path: Path) -> dict[str, Any]:
+    torch.save(state, path)  # inside the temporary tag: published with it or not at all
+    with open(path, "rb") as f:
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
 
 
 def _manifest(engine: ZeroEngine, tag: str, merged: dict[str, Any], client: bool) -> dict:
@@ -211,27 +338,9 @@ def _manifest(engine: ZeroEngine, tag: str, merged: dict[str, Any], client: bool
         "engine": {"global_step": engine.global_step, "skipped_steps": engine.skipped_steps,
                    "loss_scaler": scaler},
         "params": params, "aliases": aliases,
+        "param_groups": hyperparameters(engine.user_optimizer),
         "state_dict_keys": list(engine.module.state_dict(keep_vars=True)),
         "units": [_layout_json(u.layout) for u in engine.units],
         "state_keys": sorted(merged["state_keys"]), "param_states": merged["param_states"],
         "files": merged["files"], "client_state": CLIENT_FILE if client else None,
     }
-
-
-# ---------------------------------------------------------------------------- reading
-def resolve(directory: str | os.PathLike, tag: str | None = None) -> Path:
-    """The tag directory to read: ``directory`` itself if it holds a manifest, else its
-    ``latest`` (or the given tag)."""
-    root = Path(directory)
-    if tag is None and (root / MANIFEST).exists():
-        return root
-    if tag is None:
-        latest = root / "latest"
-        if not latest.exists():
-            raise CheckpointError(f"{root}: no {MANIFEST} and no 'latest' file: not a "
-                                  "zero_strategy checkpoint (or no save ever completed)")
-        tag = latest.read_text().strip()
-    path = root / tag
-    if not (path / MANIFEST).exists():
-        raise CheckpointError(f"{path}: {MANIFEST} is missing: the checkpoint is incomplete")
-    return path

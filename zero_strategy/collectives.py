@@ -1,13 +1,19 @@
 """Every `torch.distributed` call of the package, behind one small class.
 
 Keeping the collectives here means one place counts the bytes each rank moves (the sweep report
-shows them), and one place knows which backend quirks exist.
+shows them), one place knows which backend quirks exist, and one place bounds how long a rank
+waits for the others: a stalled or lost peer becomes an error naming the collective and the
+step instead of a silent hang.
 """
 
 from __future__ import annotations
 
+import os
+import pickle
 from collections import Counter
-from typing import Protocol
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -15,6 +21,16 @@ import torch.distributed as dist
 # torch 2.13 renamed the flat collectives; older releases (>= 2.4) only have the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed on this rank (a peer died, or the group broke); the message names
+    the collective, the training step and the rank."""
+
+
+class CollectiveTimeout(CollectiveError):
+    """A collective did not complete within ``ZeroConfig.timeout``: some rank stopped
+    responding (stalled, killed, or running different code)."""
 
 
 def group_is_initialized() -> bool:
@@ -30,6 +46,29 @@ def init_single_process_group(device: torch.device) -> None:
     """A group of one, for a script run without a launcher (no rendezvous needed)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def init_restartable_group(backend: str, timeout: float) -> bool:
+    """Create the default group of a worker started by torchrun's elastic agent with its
+    rendezvous keys under the attempt number; False (nothing done) outside such a launch or
+    when a group exists.
+
+    With the static rendezvous (``accelerate launch``'s), the agent's store outlives a failed
+    attempt and torch keys the default group by name only, so the workers of a restarted
+    attempt read the dead workers' addresses and fail or hang connecting
+    (pytorch/pytorch#135712)."""
+    env = os.environ
+    if (group_is_initialized() or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            or "TORCHELASTIC_RESTART_COUNT" not in env):
+        return False
+    world, wait = int(env["WORLD_SIZE"]), timedelta(seconds=timeout)
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False,
+                          timeout=wait)
+    attempt = dist.PrefixStore(f"zero_strategy/attempt_{env['TORCHELASTIC_RESTART_COUNT']}",
+                               store)
+    dist.init_process_group(backend, store=attempt, rank=int(env["RANK"]), world_size=world,
+                            timeout=wait)
+    return True
 
 
 def destroy_default_group() -> None:
@@ -48,13 +87,32 @@ class _Done:
         return True
 
 
+class _Pending:
+    """An asynchronous collective; ``wait()`` is bounded by the communicator's timeout and
+    turns a failure into an error naming the collective."""
+
+    def __init__(self, comm: Communicator, work: Any, op: str) -> None:
+        self.comm, self.work, self.op = comm, work, op
+
+    def wait(self) -> bool:
+        self.comm.wait(self.work, self.op)
+        return True
+
+
 class Communicator:
     """Collectives over one process group (the default group unless one is given).
+
+    ``timeout`` (seconds) bounds every wait under gloo, whose own default is 30 minutes and
+    cannot be changed for a group someone else created. Under nccl a bounded ``wait`` would
+    block the host until the GPU finishes (no more overlap), so there the process group's own
+    timeout applies (its watchdog aborts a stuck collective; the adapters create the group
+    with ``ZeroConfig.timeout``). ``step`` tells errors which training step they happened in.
 
     Byte counts follow the ring convention: what each rank sends for the operation.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, *, timeout: float | None = None,
+                 step: Callable[[], int] | None = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "zero_strategy needs an initialised process group: call "
@@ -65,6 +123,10 @@ class Communicator:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
+        self.timeout_s = timeout
+        self._wait_timeout = (timedelta(seconds=timeout)
+                              if timeout is not None and self.backend == "gloo" else None)
+        self._step = step
         self.bytes_sent: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
 
@@ -75,15 +137,51 @@ class Communicator:
     def _fraction(self) -> float:
         return (self.world_size - 1) / self.world_size
 
+    # ---------------------------------------------------------------- waiting
+    def wait(self, work: Any, op: str) -> None:
+        """Wait for ``work`` (collective ``op``) at most the timeout; raise naming it."""
+        try:
+            if self._wait_timeout is None:
+                work.wait()
+            else:
+                work.wait(self._wait_timeout)
+        except RuntimeError as e:
+            raise self._error(op, e) from e
+
+    def _error(self, op: str, cause: Exception) -> CollectiveError:
+        where = "outside training"
+        if self._step is not None:
+            try:
+                where = f"at step {self._step()}"
+            except AttributeError:  # raised while the engine is still being built
+                where = "while building the engine"
+        timed_out = "timed out" in str(cause).lower() or "timeout" in str(cause).lower()
+        what = (f"did not complete within {self.timeout_s:g} s (ZeroConfig.timeout)"
+                if timed_out and self.timeout_s is not None else "failed")
+        kind = CollectiveTimeout if timed_out else CollectiveError
+        first_line = (str(cause).splitlines() or [""])[0][:200]
+        return kind(
+            f"collective {op} {what} {where} on rank {self.rank} of {self.world_size} "
+            f"({self.backend}): another rank stopped responding (stalled, killed, or running "
+            f"different code) [{type(cause).__name__}: {first_line}]")
+
+    def _finish(self, work: Any, op: str, async_op: bool) -> Handle:
+        if async_op:
+            return _Pending(self, work, op)
+        self.wait(work, op)
+        return _Done()
+
+    # ---------------------------------------------------------------- collectives
     def all_reduce(self, tensor: torch.Tensor, *, async_op: bool = False) -> Handle:
         """Sum in place over ranks."""
         self._count("all_reduce", 2 * tensor.nbytes * self._fraction())
-        work = dist.all_reduce(tensor, group=self.group, async_op=async_op)
-        return work if async_op else _Done()
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        return self._finish(work, "all_reduce", async_op)
 
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
         self._count("all_reduce", 2 * tensor.nbytes * self._fraction())
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self.wait(work, "all_reduce(max)")
         return tensor
 
     def reduce_scatter(
@@ -91,22 +189,31 @@ class Communicator:
     ) -> Handle:
         """Sum ``flat_input`` over ranks; rank r receives the r-th equal slice in ``output``."""
         self._count("reduce_scatter", flat_input.nbytes * self._fraction())
-        work = _reduce_scatter(output, flat_input, group=self.group, async_op=async_op)
-        return work if async_op else _Done()
+        group = self.group if self.group is not None else dist.group.WORLD
+        if self._wait_timeout is not None and hasattr(group, "_reduce_scatter_base"):
+            # gloo's reduce-scatter work ignores wait(timeout) and would block for the
+            # group's own timeout (30 minutes by default): the op carries the timeout itself.
+            opts = dist.ReduceScatterOptions()
+            opts.reduceOp, opts.timeout, opts.asyncOp = dist.ReduceOp.SUM, self._wait_timeout, True
+            work = group._reduce_scatter_base(output, flat_input, opts)
+        else:
+            work = _reduce_scatter(output, flat_input, group=self.group, async_op=True)
+        return self._finish(work, "reduce_scatter", async_op)
 
     def all_gather(
         self, flat_output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False
     ) -> Handle:
         """Concatenate every rank's ``shard`` into ``flat_output`` (rank order)."""
         self._count("all_gather", flat_output.nbytes * self._fraction())
-        work = _all_gather(flat_output, shard, group=self.group, async_op=async_op)
-        return work if async_op else _Done()
+        work = _all_gather(flat_output, shard, group=self.group, async_op=True)
+        return self._finish(work, "all_gather", async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Rank ``src`` of this group sends ``tensor`` to every rank, in place."""
         self._count("broadcast", tensor.nbytes)
-        dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src,
-                       group=self.group)
+        work = dist.broadcast(tensor, group=self.group, async_op=True,
+                              src=dist.get_global_rank(self.group, src) if self.group else src)
+        self.wait(work, "broadcast")
 
     def broadcast_coalesced(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         """Broadcast many small tensors as one flat message per dtype."""
@@ -129,12 +236,34 @@ class Communicator:
         return out.tolist()
 
     def all_gather_object(self, obj: object) -> list[object]:
-        out: list[object] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        """Every rank's ``obj`` (picklable), in rank order. Peers are the job's own processes,
+        as with ``torch.distributed.all_gather_object``; not counted in ``bytes_sent``."""
+        if self.world_size == 1:
+            return [pickle.loads(pickle.dumps(obj))]
+        device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
+                  else torch.device("cpu"))
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+        sizes = torch.empty(self.world_size, dtype=torch.int64, device=device)
+        self.wait(_all_gather(sizes, size, group=self.group, async_op=True), "all_gather_object")
+        longest = int(sizes.max())
+        padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+        padded[: data.numel()] = data
+        out = torch.empty(longest * self.world_size, dtype=torch.uint8, device=device)
+        self.wait(_all_gather(out, padded, group=self.group, async_op=True), "all_gather_object")
+        blobs = out.cpu().view(self.world_size, longest)
+        return [pickle.loads(blobs[r, : int(n)].numpy().tobytes())
+                for r, n in enumerate(sizes.tolist())]
 
     def barrier(self) -> None:
-        dist.barrier(group=self.group)
+        self.wait(dist.barrier(group=self.group, async_op=True), "barrier")
+
+    def failures(self, error: str | None) -> list[tuple[int, str]]:
+        """Agree on whether a local step (writing a file, validating) succeeded everywhere:
+        every rank passes its error (None when fine) and gets every rank's, so all ranks raise
+        together instead of the healthy ones waiting for a peer that gave up."""
+        errors = [error] if self.world_size == 1 else self.all_gather_object(error)
+        return [(r, str(e)) for r, e in enumerate(errors) if e is not None]
 
     def snapshot(self) -> dict[str, int]:
         """Bytes sent so far per operation, plus the total."""

@@ -7,12 +7,14 @@ contradictory set of options and nothing falls back silently to another stage.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 STAGES = (0, 1, 2, 3)
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 REDUCE_DTYPES = ("fp32", "compute")
+NONFINITE_POLICIES = ("skip", "error", "off")
 
 # Stage-3-only knobs use None as "not set", so that setting one for a lower stage can be
 # rejected instead of ignored. Their stage-3 defaults live here and nowhere else.
@@ -44,18 +46,20 @@ class LossScaleConfig:
         _check_power_of_two("loss_scale.initial_scale", self.initial_scale)
         _check_positive_int("loss_scale.growth_interval", self.growth_interval)
         _check_positive_int("loss_scale.hysteresis", self.hysteresis)
-        if not (isinstance(self.min_scale, (int, float)) and self.min_scale > 0):
-            raise ValueError(f"loss_scale.min_scale must be a number > 0, got {self.min_scale!r}")
+        if not (_is_number(self.min_scale) and 0 < self.min_scale <= MAX_LOSS_SCALE):
+            raise ValueError(f"loss_scale.min_scale must be a finite number in (0, 2**64], got "
+                             f"{self.min_scale!r}")
         if self.min_scale > self.initial_scale:
             raise ValueError(
                 f"loss_scale.min_scale ({self.min_scale}) must be <= loss_scale.initial_scale "
                 f"({self.initial_scale})"
             )
         if self.static_scale is not None and not (
-            isinstance(self.static_scale, (int, float)) and self.static_scale > 0
+            _is_number(self.static_scale) and 0 < self.static_scale <= MAX_LOSS_SCALE
         ):
             raise ValueError(
-                f"loss_scale.static_scale must be a number > 0 or None, got {self.static_scale!r}"
+                f"loss_scale.static_scale must be a finite number in (0, 2**64] or None, got "
+                f"{self.static_scale!r} (an infinite scale would skip every step)"
             )
 
 
@@ -96,8 +100,22 @@ class ZeroConfig:
     """Stage 3: keep parameter shards in CPU memory between gathers."""
     broadcast_buffers: bool = True
     """Broadcast rank 0's module buffers at every forward, as DistributedDataParallel does."""
+    nonfinite_grads: str = "skip"
+    """What a step does when any gradient is inf/NaN on any rank: "skip" it everywhere
+    (weights, optimizer state and step counts unchanged; ``step()`` returns False and warns),
+    "error" (raise), or "off" (no check). "16-mixed" needs "skip" (its loss scaling relies on
+    skipped overflow steps)."""
+    elementwise_optimizer: bool = False
+    """Assert that a custom optimizer's update is elementwise (each element's new value
+    depends only on that element's gradient and state), so running it on flat shards is exact.
+    torch's elementwise optimizers are recognised without it."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """Dynamic loss scaling for "16-mixed"; customising it under another precision is an error."""
+    timeout: float = 600.0
+    """Seconds a collective the engine issues may wait for the other ranks before it raises an
+    error naming the collective and the step (a stalled or lost peer). The default is torch's
+    NCCL default (10 minutes); gloo's own is 30. Under nccl it applies through the process
+    group's timeout, which the adapters set from this field."""
 
     def __post_init__(self) -> None:
         if isinstance(self.loss_scale, dict):
@@ -115,7 +133,16 @@ class ZeroConfig:
             raise ValueError(
                 f"reduce_dtype must be one of {REDUCE_DTYPES}, got {self.reduce_dtype!r}"
             )
-        for name in ("offload_optimizer", "offload_params", "broadcast_buffers"):
+        if self.nonfinite_grads not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite_grads must be one of {NONFINITE_POLICIES}, got "
+                             f"{self.nonfinite_grads!r}")
+        if self.precision == "16-mixed" and self.nonfinite_grads != "skip":
+            raise ValueError(
+                f"precision='16-mixed' needs nonfinite_grads='skip' (got "
+                f"{self.nonfinite_grads!r}): dynamic loss scaling finds its scale by skipping "
+                "the steps that overflow")
+        for name in ("offload_optimizer", "offload_params", "broadcast_buffers",
+                     "elementwise_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("prefetch", "check_gather_order"):
@@ -138,6 +165,9 @@ class ZeroConfig:
 
     def _check_sizes(self) -> None:
         _check_positive_int("bucket_numel", self.bucket_numel)
+        if (isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float))
+                or not 0 < self.timeout < float("inf")):
+            raise ValueError(f"timeout must be a number of seconds > 0, got {self.timeout!r}")
         if self.unit_numel is not None:
             _check_positive_int("unit_numel", self.unit_numel)
         threshold = self.param_persistence_threshold
@@ -205,9 +235,19 @@ def _check_positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+MAX_LOSS_SCALE = 2.0**64
+"""Scales stop growing here: a larger one overflows fp16 gradients for any loss anyway, and an
+infinite one could never be halved back."""
+
+
+def _is_number(value: Any) -> bool:
+    return (not isinstance(value, bool) and isinstance(value, (int, float))
+            and math.isfinite(value))
+
+
 def _check_power_of_two(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"{name} must be a positive power of two, got {value!r}")
+    if not _is_number(value) or not 0 < value <= MAX_LOSS_SCALE:
+        raise ValueError(f"{name} must be a power of two in (0, 2**64], got {value!r}")
     mantissa = float(value)
     while mantissa >= 2.0:
         mantissa /= 2.0

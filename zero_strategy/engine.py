@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,8 @@ from .config import ZeroConfig
 from .hooks import HookSet, ModulePatches
 from .materialize import InitFn, Materializer, has_meta
 from .memory import estimate_memory, storage_bytes
-from .optimizer import ShardedOptimizer
+from .optim_state import UserOptimizerPatch, full_state_dict, load_full_state_dict
+from .optimizer import ShardedOptimizer, check_elementwise
 from .plan import make_plan
 from .precision import LossScaler
 from .runtime import Runtime
@@ -47,13 +49,15 @@ class ZeroEngine:
         self.config = config if config is not None else ZeroConfig()
         if not isinstance(self.config, ZeroConfig):
             raise TypeError(f"config must be a ZeroConfig, got {type(self.config).__name__}")
-        self.comm = Communicator(process_group)
+        self.comm = Communicator(process_group, timeout=self.config.timeout,
+                                 step=lambda: self.global_step)
         self.module = model
         self.device = _single_device(model, device, self.comm.backend)
         _check_backend(self.comm.backend, self.device)
         materializer = Materializer(model, self.device, param_init_fn) if has_meta(model) else None
         self.plan = make_plan(self.config, self.comm.world_size)
         managed, group_of = _managed_parameters(model, optimizer)
+        check_elementwise(optimizer, self.config.elementwise_optimizer)
         self.param_names = {id(p): n for n, p in managed}
         self.num_params = sum(p.numel() for _, p in managed)
         self._original_dtypes = {id(p): p.dtype for _, p in managed}
@@ -74,8 +78,11 @@ class ZeroEngine:
         self.access = ParamAccess(self.units, self.runtime, self.comm, self.param_names)
         self.patches = ModulePatches(self.access, gathers=self.plan.layout.main.params == "sharded")
         self.patches.install(model)
+        self.optimizer_patch = UserOptimizerPatch(
+            optimizer, self.optimizer_state_dict, self.load_optimizer_state_dict)
         self.scaler = LossScaler(self.config.loss_scale) if self.plan.policy.scales_loss else None
         self._unscaled = False
+        self._norm: torch.Tensor | None = None
         self._closed = False
         self.global_step = 0
         self.skipped_steps = 0
@@ -111,6 +118,7 @@ class ZeroEngine:
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backward; outside ``no_sync()`` gradients are reduced while it runs."""
+        self.hooks.ensure_grad_hooks(self.units, self.runtime)  # unfrozen since the forward
         if self.scaler is not None:
             loss = loss.float() * self.scaler.scale
         with record_function("zero::backward"):
@@ -148,7 +156,9 @@ class ZeroEngine:
             raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
         self._unscale()
         with record_function("zero::clip_grad_norm"):
-            return self.optimizer.clip_grad_norm_(max_norm, norm_type)
+            norm = self.optimizer.clip_grad_norm_(max_norm, norm_type)
+        self._norm = norm  # step() reads finiteness from it instead of another collective
+        return norm
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every gradient element to [-clip_value, clip_value]. Elementwise, so clamping
@@ -166,40 +176,61 @@ class ZeroEngine:
         self._unscale()
         return self.optimizer.grad_norm(norm_type)
 
-    def _overflow(self) -> bool:
-        """All ranks agree: one collective over a local non-finite flag."""
+    def _nonfinite(self) -> bool:
+        """Whether any rank holds an inf/NaN gradient: the clipping norm when this step
+        computed one (already global, no extra collective), else one scalar all-reduce over a
+        flag built on the device (a single host sync per step)."""
+        if self.config.nonfinite_grads == "off" and self.scaler is None:
+            return False
+        if self._norm is not None:
+            return not bool(torch.isfinite(self._norm))
+        grads = [g for g in self.optimizer.master_grads() if g.numel()]
+        # One multi-tensor pass: a max-abs is inf/NaN exactly when the shard holds one.
+        peaks = torch._foreach_norm(grads, float("inf")) if grads else []
         local = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in self.optimizer.master_grads():
-            if not torch.isfinite(g).all():
-                local.fill_(1.0)
-                break
-        return bool(self.comm.all_reduce_max(local).item())
+        if peaks:
+            local += (~torch.isfinite(torch.stack(peaks))).any().to(self.device, torch.float32)
+        if self.comm.world_size > 1:
+            self.comm.all_reduce_max(local)
+        return bool(local.item())
 
     def step(self) -> bool:
         """Optimizer step on this rank's shard, then propagate and zero gradients.
 
-        Returns False when the step was skipped because fp16 gradients overflowed.
+        Returns False when the step was skipped: some rank had an inf/NaN gradient (an fp16
+        overflow, or ``ZeroConfig.nonfinite_grads="skip"`` at any precision); weights,
+        optimizer states and step counts are then unchanged on every rank.
         """
         self._check_open("step")
         self._require_reduced_grads("step")
         self._refuse_stray_grads()
         self._unscale()
-        stepped = True
+        nonfinite = self._nonfinite()
         if self.scaler is not None:
-            overflow = self._overflow()
-            self.scaler.update(overflow)
-            stepped = not overflow
-        if stepped:
+            self.scaler.update(nonfinite)
+        if nonfinite:
+            self.skipped_steps += 1
+            self.zero_grad()
+            self._report_nonfinite()
+        else:
             self.optimizer.step()
             self.refresh_compute_copies()
             self.global_step += 1
-        else:
-            self.skipped_steps += 1
+            self.zero_grad()
         # torch's LR schedulers warn unless the optimizer they wrap was stepped; the engine
-        # steps its inner copy (or skips on overflow), so record the call on the user's object.
+        # steps its inner copy (or skips), so record the call on the user's object.
         self.user_optimizer._opt_called = True  # type: ignore[attr-defined]
-        self.zero_grad()
-        return stepped
+        return not nonfinite
+
+    def _report_nonfinite(self) -> None:
+        scale = f" (fp16 loss scale now {self.scaler.scale:g})" if self.scaler else ""
+        message = (f"non-finite gradients at global step {self.global_step} on at least one "
+                   f"rank: step skipped on every rank{scale}; {self.skipped_steps} skipped so far")
+        if self.config.nonfinite_grads == "error":
+            raise FloatingPointError(
+                message.replace("step skipped", "nothing was updated")
+                + " (ZeroConfig(nonfinite_grads='skip') skips such steps instead)")
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def refresh_compute_copies(self) -> None:
         """Propagate every unit's master shard into the copy forward reads (all-gathers
@@ -265,16 +296,21 @@ class ZeroEngine:
                  if p.grad is not None]
         if stray:
             raise RuntimeError(
-                f"parameters {stray[:5]} hold a .grad the engine did not reduce: they were "
-                "unfrozen (requires_grad_(True)) after the forward of this step. Change "
-                "requires_grad between engine.step() and the next forward")
+                f"parameters {stray[:5]} hold a .grad that did not go through the engine's "
+                "reduction (given by hand, or produced by a backward not run through "
+                "engine.backward() after they were unfrozen); stepping would ignore it. Run "
+                "backward through engine.backward(), and set .grad to None before step()")
 
     def zero_grad(self) -> None:
+        """Forget every gradient of the step, also after an exception in forward, backward or
+        step left a pass half done: the engine is then ready for the next micro-batch."""
+        self.runtime.reset()
         for unit in self.units:
             unit.zero_grad()
-        self.runtime.grads_pending_step = False
-        self.runtime.reshard_all()
+            for p in unit.params:
+                p.grad = None
         self._unscaled = False
+        self._norm = None
 
     # ------------------------------------------------------------------ whole parameters
     def gathered_parameters(
@@ -327,12 +363,27 @@ class ZeroEngine:
                     p.data = value.to(self._original_dtypes[id(p)], copy=True)
         self.hooks.remove()
         self.patches.remove()
+        self.optimizer_patch.remove()
         self._closed = True
         self.units = []
         self.optimizer.segments = []
         return self.module
 
     # ------------------------------------------------------------------ state
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The user's optimizer state as an unsharded run's ``optimizer.state_dict()`` would
+        hold it (same indices, keys and tensors), assembled on every rank: a collective that
+        materialises the whole optimizer state (use the sharded checkpoint to scale). The
+        user's optimizer object returns this from its own ``state_dict()``."""
+        self._check_open("optimizer_state_dict")
+        return full_state_dict(self.optimizer, self.param_names, self.comm)
+
+    def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load torch's optimizer format (from ``optimizer_state_dict()`` or a run without
+        ZeRO) into the shards; also what the user's ``optimizer.load_state_dict()`` does."""
+        self._check_open("load_optimizer_state_dict")
+        load_full_state_dict(self.optimizer, self.param_names, state_dict)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The consolidated module state dict on every rank: same keys and shapes as
         ``model.state_dict()``, managed parameters as their master (fp32) values, on CPU."""

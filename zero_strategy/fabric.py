@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import precision as fabric_precision
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
@@ -76,6 +75,16 @@ def build_config(config: ZeroConfig | None, options: dict[str, Any], owner: str)
         )
     base = config if config is not None else ZeroConfig()
     return dataclasses.replace(base, **options) if options else base
+
+
+def with_timeout(config: ZeroConfig, timeout: timedelta | float | None) -> ZeroConfig:
+    """``config`` with the strategy's ``timeout=`` (a timedelta or seconds) as its
+    ``ZeroConfig.timeout``; None keeps the config's. The process group is created with the
+    result too, so the engine's collectives and the framework's share one limit."""
+    if timeout is None:
+        return config
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    return dataclasses.replace(config, timeout=seconds)
 
 
 def precision_explicit(config: ZeroConfig | None, options: dict[str, Any]) -> bool:
@@ -179,12 +188,16 @@ def group_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, An
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
-def restore_hyperparameters(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+def check_group_count(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
     if len(groups) != len(optimizer.param_groups):
         raise ValueError(
             f"the checkpoint's optimizer has {len(groups)} param groups, the current one has "
             f"{len(optimizer.param_groups)}: build the optimizer the way it was built when saving"
         )
+
+
+def restore_hyperparameters(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    check_group_count(optimizer, groups)
     for group, saved in zip(optimizer.param_groups, groups):
         group.update(saved)
 
@@ -205,7 +218,9 @@ def load_engine_checkpoint(engine: ZeroEngine, path: Path, with_optimizer: bool,
                            weights_only: bool | None = None) -> dict[str, Any]:
     """Restore the engine from ``path``; returns the framework state saved beside it.
 
-    Evaluation-only engines carry a placeholder optimizer whose state must not be loaded.
+    The framework state is decoded and checked before the engine changes, so a checkpoint
+    refused for any reason leaves the model and optimizer as they were. Evaluation-only
+    engines carry a placeholder optimizer whose state must not be loaded.
     """
     if path.is_file():
         raise ValueError(
@@ -213,8 +228,16 @@ def load_engine_checkpoint(engine: ZeroEngine, path: Path, with_optimizer: bool,
             "file. To start from a consolidated or DDP checkpoint, load its state dict into "
             "the model before training starts"
         )
-    client = engine.load_checkpoint(path, load_optimizer=with_optimizer)
-    return decode_state(client, path, owner, weights_only)
+    decoded: dict[str, Any] = {}
+
+    def check(client: dict[str, Any] | None) -> None:  # every rank, before the engine changes
+        decoded.update(decode_state(client, path, owner, weights_only))
+        groups = decoded.get("param_groups")
+        if with_optimizer and groups is not None:
+            check_group_count(engine.user_optimizer, groups)
+
+    reshard.load(engine, path, load_optimizer=with_optimizer, before_commit=check)
+    return decoded
 
 
 def decode_state(client: dict[str, Any] | None, path: Path, owner: str,
@@ -415,7 +438,8 @@ class ZeroFabricStrategy(DDPStrategy):
         config: the full engine config; ``**options`` (ZeroConfig fields) override its fields.
         precision: a ZeroConfig precision name (a string), or the plugin Fabric passes in.
         process_group_backend: "gloo" / "nccl"; default from the device, as for DDP.
-        timeout: the process group timeout.
+        timeout: seconds (or a timedelta) any collective may wait for the other ranks: the
+            process group's timeout and ``ZeroConfig.timeout`` (default: the config's, 600 s).
         param_init_fn: initialises each module of a meta-device model as the engine
             materialises it (default ``module.reset_parameters()``), e.g. a transformers
             model's ``_init_weights``.
@@ -428,21 +452,21 @@ class ZeroFabricStrategy(DDPStrategy):
         self, config: ZeroConfig | None = None, *, accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None, cluster_environment: Any = None,
         checkpoint_io: Any = None, precision: fabric_precision.Precision | str | None = None,
-        process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
+        process_group_backend: str | None = None, timeout: timedelta | float | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None, **options: Any,
     ) -> None:
         if isinstance(precision, str):  # the ZeroConfig field, not Fabric's plugin argument
             options["precision"], precision = precision, None
         # Set before super().__init__, which already calls the precision setter.
-        self.config = build_config(config, options, type(self).__name__)
+        self.config = with_timeout(build_config(config, options, type(self).__name__), timeout)
         self._precision_explicit = precision_explicit(config, options)
         self._param_init_fn = param_init_fn
         self._modules: list[EngineModule] = []
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices,
             cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-            precision=precision, process_group_backend=process_group_backend, timeout=timeout,
-            start_method="popen",
+            precision=precision, process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=self.config.timeout), start_method="popen",
         )
         self._backward_sync_control = _ZeroBackwardSyncControl()
 

@@ -72,22 +72,6 @@ class FlatLayout:
                 out.append(Piece(slot, start - slot.offset, start - lo, end - start))
         return out
 
-    def group_segments(self, rank: int) -> list[tuple[int, int, int]]:
-        """(group, start, end) ranges inside the shard, one per optimizer group present.
-
-        Slots are ordered by group, so each group's part of a shard is one range; it may span
-        alignment padding, which is zero with zero gradient and so stays zero under any
-        elementwise optimizer.
-        """
-        segments: list[tuple[int, int, int]] = []
-        for piece in self.pieces(rank):
-            end = piece.shard_start + piece.numel
-            if segments and segments[-1][0] == piece.slot.group:
-                segments[-1] = (piece.slot.group, segments[-1][1], end)
-            else:
-                segments.append((piece.slot.group, piece.shard_start, end))
-        return segments
-
 
 # Every parameter starts on a 64-byte boundary (fp32; 32 bytes in 16-bit): kernels take the
 # same vectorised paths as on a standalone tensor, so results match an unsharded model's

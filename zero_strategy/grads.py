@@ -166,6 +166,7 @@ class ShardedGrads(GradStore):
     def zero(self) -> None:
         if self._shard is not None:
             self._shard.zero_()
+        self.local = None  # a pass cut short by an exception may have left partial sums
 
     def held_tensors(self) -> list[torch.Tensor]:
         held = [t for t in (self._shard, self.local) if t is not None]

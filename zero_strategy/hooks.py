@@ -114,7 +114,9 @@ def _patched_class(cls: type, access: ParamAccess, gathers: bool) -> type:
 
     def __getattr__(self: Any, name: str) -> Any:
         value = super(patched, self).__getattr__(name)
-        access.on_read(value)
+        unit = access.unit_to_gather(value)
+        if unit is not None:
+            access.gather(unit)
         return value
 
     body: dict[str, Any] = {

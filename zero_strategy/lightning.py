@@ -28,7 +28,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import _configure_optimizers
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
@@ -59,6 +58,7 @@ from .fabric import (
     read_client_state,
     restore_hyperparameters,
     save_engine_checkpoint,
+    with_timeout,
 )
 from .materialize import meta_init
 from .reshard import consolidate
@@ -191,7 +191,8 @@ class ZeroStrategy(DDPStrategy):
             ``offload_optimizer``) override its fields. The Trainer's ``precision=`` sets
             ``config.precision`` unless the config already chose one.
         process_group_backend: "gloo" / "nccl"; by default from the device, as for DDP.
-        timeout: the process group timeout.
+        timeout: seconds (or a timedelta) any collective may wait for the other ranks: the
+            process group's timeout and ``ZeroConfig.timeout`` (default: the config's, 600 s).
         param_init_fn: initialises each module of a meta-device model as the engine
             materialises it (default ``module.reset_parameters()``), e.g. a transformers
             model's ``_init_weights``.
@@ -206,11 +207,11 @@ class ZeroStrategy(DDPStrategy):
         self, config: ZeroConfig | None = None, *, accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None, cluster_environment: Any = None,
         checkpoint_io: Any = None, precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
+        process_group_backend: str | None = None, timeout: timedelta | float | None = None,
         param_init_fn: Callable[[nn.Module], None] | None = None, **options: Any,
     ) -> None:
         # Set before super().__init__, which already calls the precision setter.
-        self.config = build_config(config, options, type(self).__name__)
+        self.config = with_timeout(build_config(config, options, type(self).__name__), timeout)
         self._precision_explicit = precision_explicit(config, options)
         self._param_init_fn = param_init_fn
         self._engine: ZeroEngine | None = None
@@ -219,7 +220,7 @@ class ZeroStrategy(DDPStrategy):
             accelerator=accelerator, parallel_devices=parallel_devices,
             cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-            timeout=timeout, start_method="popen",
+            timeout=timedelta(seconds=self.config.timeout), start_method="popen",
         )
 
     @property

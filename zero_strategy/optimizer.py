@@ -31,6 +31,35 @@ _STATES_PER_PARAM = {
 }
 
 
+# torch's optimizers whose update of each element reads only that element's gradient and
+# state: run on flat shards they compute exactly what they compute on whole parameters.
+ELEMENTWISE = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop,
+    torch.optim.Rprop, torch.optim.ASGD,
+)
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer, declared: bool) -> None:
+    """Refuse an optimizer whose update reads a parameter as a whole (its shape, a norm, row
+    or column statistics): on flat shards it would silently compute something else."""
+    if declared:
+        return
+    for base in ELEMENTWISE:  # a subclass that keeps the base's step is the same math
+        if isinstance(optimizer, base) and type(optimizer).step is base.step:
+            return
+    name = type(optimizer).__name__
+    raise ValueError(
+        f"{name} is not one of torch's elementwise optimizers "
+        f"({', '.join(c.__name__ for c in ELEMENTWISE)}). ZeRO runs the optimizer on flat "
+        "shards of the parameters, which is exact only for elementwise updates; an update that "
+        "reads a whole parameter (Adafactor's row/column statistics, Muon's "
+        "orthogonalisation, LAMB's per-tensor trust ratio, LBFGS's history, anything using "
+        "p.shape or a norm) would silently compute something else. If every element of "
+        f"{name}'s update depends only on that element's gradient and state, declare it with "
+        "ZeroConfig(elementwise_optimizer=True)")
+
+
 # Group keys that choose a kernel rather than the math; the inner optimizer keeps its own.
 _IMPLEMENTATION_KEYS = {"params", "fused", "foreach", "capturable", "differentiable"}
 

@@ -268,6 +268,10 @@ class ShardedParams(ParamStore):
         self.params = params
         nan = torch.full((1,), float("nan"), dtype=policy.compute_dtype, device=placement.device)
         self._placeholders = [nan.expand(slot.shape) for slot in layout.slots]
+        # Views of the buffer made once: they stay valid while its storage is freed and
+        # re-allocated in place, so a gather only re-points the parameters at them.
+        self._views = [self.full[slot.offset : slot.end].view(slot.shape)
+                       for slot in layout.slots]
         _point_params_at(params, layout, self.full)
         self._state = ParamState.UNSHARDED
         self._handle: Handle | None = None
@@ -299,7 +303,8 @@ class ShardedParams(ParamStore):
             self._handle.wait()
             self._handle = None
             self._source = None
-            _point_params_at(self.params, self.layout, self.full)
+            for p, view in zip(self.params, self._views):
+                p.data = view
             self._state = ParamState.UNSHARDED
 
     def reshard(self) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from .config import LossScaleConfig, ZeroConfig
+from .config import MAX_LOSS_SCALE, LossScaleConfig, ZeroConfig
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class LossScaler:
             return
         self.good_steps += 1
         if self.dynamic and self.good_steps % self.config.growth_interval == 0:
-            self.scale *= 2.0
+            self.scale = min(self.scale * 2.0, MAX_LOSS_SCALE)
             self.hysteresis_left = self.config.hysteresis
 
     def state_dict(self) -> dict[str, float | int]:

@@ -3,14 +3,21 @@
 Everything is addressed by parameter name and element range, never by rank: a parameter range
 of the new layout is read from whichever old shards hold it, lazily (safetensors slices), so
 loading and consolidation stay bounded by the largest tensor rather than the model size.
+
+Nothing is trusted: ``CheckpointReader`` checks the whole directory (``validation.py``)
+before the first tensor is read, and ``load`` reads everything it will write before it
+changes anything, so a rejected checkpoint leaves the engine as it was.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import struct
+import types
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,51 +25,48 @@ import torch
 
 from .checkpoint import (
     CLIENT_FILE,
-    FORMAT,
     MANIFEST,
     MODULE_FILE,
-    READABLE_VERSIONS,
-    VERSION,
     CheckpointError,
     _fsync_dir,
     _layout_from_json,
     _sha256,
-    resolve,
     shard_file,
+)
+from .optim_state import load_records, restore_hyperparameters
+from .validation import (
+    DTYPES_FROM_ST,
+    PARAM_DTYPES,
+    ST_DTYPES,
+    check_tensors,
+    member,
+    param_records,
+    read_header,
+    read_manifest,
+    refusal,
+    resolve,
 )
 
 if TYPE_CHECKING:
+    from .collectives import Communicator
     from .engine import ZeroEngine
 
 
 Entry = tuple[str, Callable[[], torch.Tensor], tuple[int, ...], torch.dtype]
 
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-              torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
-_DTYPES_FROM_ST = {v: k for k, v in _ST_DTYPES.items()}
-
 
 class SafetensorsFile:
-    """Element ranges of tensors in a safetensors file, read with seek + readinto.
+    """Element ranges of tensors in a safetensors file, read with seek + readinto, from a
+    header ``validation.read_header`` checked against the file's size.
 
     Not memory-mapped on purpose: pages of a mapping stay resident while it is open, so
     reading a whole checkpoint through one would grow RSS to the checkpoint's size.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, header: dict[str, dict[str, Any]], data_start: int) -> None:
         self.path = path
-        try:
-            with open(path, "rb") as f:
-                (size,) = struct.unpack("<Q", f.read(8))
-                if size > 100_000_000:
-                    raise ValueError(f"header of {size} bytes")
-                header = json.loads(f.read(size))
-        except (OSError, ValueError, struct.error) as e:
-            raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
-        self.data_start = 8 + size
-        header.pop("__metadata__", None)
-        self.header: dict[str, dict[str, Any]] = header
+        self.header = header
+        self.data_start = data_start
 
     def keys(self) -> list[str]:
         return list(self.header)
@@ -71,14 +75,17 @@ class SafetensorsFile:
         if name not in self.header:
             raise CheckpointError(f"{self.path}: tensor {name!r} is missing")
         entry = self.header[name]
-        return _DTYPES_FROM_ST[entry["dtype"]], tuple(entry["shape"])
+        return DTYPES_FROM_ST[entry["dtype"]], tuple(entry["shape"])
 
     def read(self, name: str, start: int | None = None, end: int | None = None) -> torch.Tensor:
         """Flat elements [start, end) of tensor ``name`` (all of it by default)."""
         dtype, shape = self.info(name)
         numel = torch.Size(shape).numel()
         start, end = start or 0, numel if end is None else end
-        item = torch.empty((), dtype=dtype).element_size()
+        if not 0 <= start <= end <= numel:
+            raise CheckpointError(f"{self.path}: elements [{start}, {end}) of tensor {name!r} "
+                                  f"are outside its {numel}")
+        item = dtype.itemsize
         out = torch.empty(end - start, dtype=dtype)
         begin = self.data_start + self.header[name]["data_offsets"][0] + start * item
         with open(self.path, "rb") as f:
@@ -90,37 +97,41 @@ class SafetensorsFile:
 
 
 class CheckpointReader:
+    """A tag directory, checked completely when opened: the manifest's schema and layouts,
+    each listed file (a regular file inside the directory, of the listed size) and every
+    tensor header against the layout. Hashes are checked by ``verify`` (or, shared between
+    ranks, by ``load``) before data is read."""
+
     def __init__(self, path: Path) -> None:
         self.path = path
-        try:
-            self.manifest = json.loads((path / MANIFEST).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path / MANIFEST}: unreadable manifest ({e})") from e
-        if (self.manifest.get("format") != FORMAT
-                or self.manifest.get("version") not in READABLE_VERSIONS):
-            raise CheckpointError(
-                f"{path / MANIFEST}: format {self.manifest.get('format')!r} version "
-                f"{self.manifest.get('version')!r}; this zero_strategy reads {FORMAT!r} v{VERSION}")
+        self.manifest = read_manifest(path)
         self.layouts = [_layout_from_json(u) for u in self.manifest["units"]]
         self.where = {slot.name: (i, slot) for i, lay in enumerate(self.layouts)
                       for slot in lay.slots}
         self._handles: dict[str, SafetensorsFile] = {}
+        for name, entry in sorted(self.manifest["files"].items()):
+            file = self._listed(name, entry["bytes"])
+            if name != CLIENT_FILE:
+                self._handles[name] = SafetensorsFile(file, *read_header(file, entry["bytes"]))
+        check_tensors(path, self.manifest, {n: h.header for n, h in self._handles.items()})
+
+    def _listed(self, name: str, size: int) -> Path:
+        file = self.path / name
+        if not file.exists() and not file.is_symlink():
+            raise CheckpointError(f"{file}: missing (the manifest lists it)")
+        member(self.path, file, f"listed file {name!r}")
+        if file.stat().st_size != size:
+            raise CheckpointError(f"{file}: {file.stat().st_size} bytes, the manifest says "
+                                  f"{size} (truncated or replaced)")
+        return file
 
     # -------------------------------------------------------------- integrity
     def verify(self, names: list[str]) -> list[str]:
-        """Problems with the given files (missing, truncated, altered), as messages."""
+        """Files among ``names`` whose sha256 differs from the manifest's, as messages."""
         problems = []
         for name in names:
-            expected = self.manifest["files"].get(name)
             file = self.path / name
-            if expected is None:
-                problems.append(f"{file}: not listed in the manifest")
-            elif not file.exists():
-                problems.append(f"{file}: missing (the manifest lists it)")
-            elif file.stat().st_size != expected["bytes"]:
-                problems.append(f"{file}: {file.stat().st_size} bytes, the manifest says "
-                                f"{expected['bytes']} (truncated or replaced)")
-            elif _sha256(file) != expected["sha256"]:
+            if _sha256(file) != self.manifest["files"][name]["sha256"]:
                 problems.append(f"{file}: sha256 differs from the manifest (corrupted or altered)")
         return problems
 
@@ -130,8 +141,6 @@ class CheckpointReader:
             raise CheckpointError("; ".join(problems))
 
     def _open(self, name: str) -> SafetensorsFile:
-        if name not in self._handles:
-            self._handles[name] = SafetensorsFile(self.path / name)
         return self._handles[name]
 
     # -------------------------------------------------------------- tensor access
@@ -170,7 +179,7 @@ class CheckpointReader:
             if key in aliases:
                 name = aliases[key]
                 shape = tuple(self.manifest["params"][name]["shape"])
-                stored = getattr(torch, self.manifest["params"][name]["dtype"])
+                stored = PARAM_DTYPES[self.manifest["params"][name]["dtype"]]
                 out = dtype or stored
                 yield key, (lambda n=name, o=out: self.read_param(n).to(o)), shape, out
             else:
@@ -181,44 +190,58 @@ class CheckpointReader:
 
 # ------------------------------------------------------------------------ loading an engine
 def load(engine: ZeroEngine, directory: str | os.PathLike, *, tag: str | None = None,
-         load_optimizer: bool = True) -> dict[str, Any] | None:
-    """Every rank calls this; returns the client state saved with the checkpoint (or None)."""
-    path = resolve(directory, tag)
-    reader = CheckpointReader(path)
+         load_optimizer: bool = True,
+         before_commit: Callable[[dict[str, Any] | None], None] | None = None,
+         ) -> dict[str, Any] | None:
+    """Every rank calls this; returns the client state saved with the checkpoint (or None).
+
+    Validate, then mutate: the checkpoint is checked completely, its files hashed (each rank
+    a share) and everything this rank will write is read into new tensors, the ranks agreeing
+    after each phase; only then are weights, optimizer state, loss scaler and counters
+    replaced. A failure anywhere, on any rank, raises on every rank and changes nothing.
+    ``before_commit(client_state)`` runs on every rank just before the engine changes (an
+    adapter restoring its own state there is covered by the same agreement).
+    """
+    comm = engine.comm
+    reader = _on_all_ranks(comm, lambda: _open_checked(engine, directory, tag, load_optimizer))
+    _on_all_ranks(comm, lambda: _verify_share(engine, reader))
+    staged = _on_all_ranks(comm, lambda: _stage(engine, reader, load_optimizer, before_commit))
+    _commit(engine, staged, load_optimizer)
+    return staged.client_state
+
+
+def _on_all_ranks(comm: Communicator, action: Callable[[], Any]) -> Any:
+    """Run ``action`` on every rank and agree on the outcome: a rank that failed raises its own
+    exception, the others a CheckpointError naming it, so no rank changes anything (or waits
+    in a collective for a rank that gave up)."""
+    result, error = None, None
+    try:
+        result = action()
+    except Exception as e:  # every rank must hear of it before anyone raises
+        error = e
+    failed = comm.failures(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError("loading the checkpoint failed on " + "; ".join(
+            f"rank {r} ({e})" for r, e in failed) + "; nothing was changed")
+    return result
+
+
+def _open_checked(engine: ZeroEngine, directory: str | os.PathLike, tag: str | None,
+                  load_optimizer: bool) -> CheckpointReader:
+    reader = CheckpointReader(resolve(directory, tag))
     _check_same_model(engine, reader)
-    _verify_shared(engine, reader)
-    if load_optimizer and reader.manifest["optimizer"] != type(engine.user_optimizer).__name__:
-        raise CheckpointError(
-            f"{path / MANIFEST}: saved with optimizer {reader.manifest['optimizer']}, loading "
-            f"into {type(engine.user_optimizer).__name__}; pass load_optimizer=False to load "
-            "weights only")
-    engine.runtime.reshard_all()
-    engine.zero_grad()
-    rank = engine.comm.rank if engine.plan.optimizer_shards > 1 else 0
-    with torch.no_grad():
-        for unit in engine.units:
-            master = unit.param_store.master
-            for piece in unit.layout.pieces(rank):
-                master[piece.shard_start : piece.shard_start + piece.numel].copy_(
-                    reader.read_range(piece.slot.name, "master", piece.slot_start,
-                                      piece.slot_start + piece.numel))
-        engine.refresh_compute_copies()
-        for key, tensor in engine.unmanaged_state().items():
-            tensor.copy_(reader.module_tensor(key))
-    if load_optimizer:
-        _load_optimizer_state(engine, reader, rank)
-    state = reader.manifest["engine"]
-    engine.global_step, engine.skipped_steps = state["global_step"], state["skipped_steps"]
-    if engine.scaler is not None and state["loss_scaler"] is not None:
-        engine.scaler.load_state_dict(state["loss_scaler"])
-    engine.comm.barrier()
-    return _load_client_state(path, reader.manifest)
+    _check_loadable(engine, reader, load_optimizer)
+    return reader
 
 
 def _check_same_model(engine: ZeroEngine, reader: CheckpointReader) -> None:
     saved = {n: tuple(v["shape"]) for n, v in reader.manifest["params"].items()}
     current = {slot.name: slot.shape for u in engine.units for slot in u.layout.slots}
+    module = reader._open(MODULE_FILE)
     saved_module = set(reader.manifest["state_dict_keys"]) - set(reader.manifest["aliases"])
+    unmanaged = engine.unmanaged_state()
     kinds = {
         "trainable parameters of this model missing from the checkpoint":
             [n for n in current if n not in saved],
@@ -228,7 +251,10 @@ def _check_same_model(engine: ZeroEngine, reader: CheckpointReader) -> None:
             [f"{n} {list(saved[n])} vs {list(current[n])}" for n in current
              if n in saved and saved[n] != current[n]],
         "buffers or frozen parameters missing from the checkpoint":
-            [k for k in engine.unmanaged_state() if k not in saved_module],
+            [k for k in unmanaged if k not in saved_module],
+        "buffers or frozen parameters of another shape or dtype (checkpoint vs model)":
+            [f"{k} {module.info(k)} vs {t.dtype, tuple(t.shape)}" for k, t in unmanaged.items()
+             if k in saved_module and not _fits(module.info(k), t)],
     }
     problems = [f"{len(v)} {kind} (e.g. {', '.join(v[:3])})" for kind, v in kinds.items() if v]
     if problems:
@@ -236,85 +262,190 @@ def _check_same_model(engine: ZeroEngine, reader: CheckpointReader) -> None:
                               + "; ".join(problems))
 
 
-def _verify_shared(engine: ZeroEngine, reader: CheckpointReader) -> None:
-    """Each file is hashed by one rank; every rank raises if any file is bad."""
+def _fits(info: tuple[torch.dtype, tuple[int, ...]], tensor: torch.Tensor) -> bool:
+    """A stored buffer can be copied into ``tensor``: same shape, and floating point into
+    floating point (cast) or exactly the same dtype (integers and bools stay exact)."""
+    dtype, shape = info
+    same_kind = dtype.is_floating_point and tensor.is_floating_point() or dtype == tensor.dtype
+    return shape == tuple(tensor.shape) and same_kind
+
+
+def _check_loadable(engine: ZeroEngine, reader: CheckpointReader, load_optimizer: bool) -> None:
+    """What the commit will apply besides tensors, tried on copies: the optimizer, its
+    hyperparameters and the loss scaler's state."""
+    manifest, file = reader.manifest, reader.path / MANIFEST
+    if load_optimizer and manifest["optimizer"] != type(engine.user_optimizer).__name__:
+        raise CheckpointError(
+            f"{file}: saved with optimizer {manifest['optimizer']}, loading into "
+            f"{type(engine.user_optimizer).__name__}; pass load_optimizer=False to load "
+            "weights only")
+    groups = manifest.get("param_groups")  # v1 checkpoints did not record them
+    if load_optimizer and groups is not None:
+        if len(groups) != len(engine.user_optimizer.param_groups):
+            raise CheckpointError(
+                f"{file}: saved with {len(groups)} optimizer param groups, loading into "
+                f"{len(engine.user_optimizer.param_groups)}; build the optimizer as when "
+                "saving, or pass load_optimizer=False to load weights only")
+        for g, (current, saved) in enumerate(zip(engine.user_optimizer.param_groups, groups)):
+            for key, value in saved.items():
+                if key in current and not _same_kind(current[key], value):
+                    raise CheckpointError(
+                        f"{file}: field 'param_groups[{g}].{key}' is {value!r}, the optimizer "
+                        f"holds {current[key]!r}; a damaged or forged manifest")
+        trial = types.SimpleNamespace(param_groups=[
+            {k: v.clone() if isinstance(v, torch.Tensor) else copy.copy(v)
+             for k, v in g.items() if k != "params"} for g in engine.user_optimizer.param_groups])
+        _try(file, "param_groups",
+             lambda: restore_hyperparameters(trial, groups))  # type: ignore[arg-type]
+    scaler, state = engine.scaler, manifest["engine"]["loss_scaler"]
+    if scaler is not None and state is not None:
+        _try(file, "engine.loss_scaler", lambda: copy.deepcopy(scaler).load_state_dict(state))
+
+
+def _same_kind(current: Any, saved: Any) -> bool:
+    """A saved hyperparameter can replace the current one: a number for a number (or a
+    one-element tensor), a flag for a flag, a string for a string, a list of as many numbers
+    for a tuple or list (betas), None for None."""
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    if isinstance(current, torch.Tensor):
+        return current.numel() == 1 and number(saved)
+    if isinstance(current, bool) or current is None:  # flags such as foreach may be unset
+        return saved is None or isinstance(saved, bool)
+    if isinstance(current, str):
+        return isinstance(saved, str)
+    if number(current):
+        return number(saved)
+    if isinstance(current, (tuple, list)):
+        return (isinstance(saved, list) and len(saved) == len(current)
+                and all(number(x) == number(c) for x, c in zip(saved, current)))
+    return True  # a kind the manifest does not record (hyperparameters() skips it)
+
+
+def _try(file: Path, field: str, action: Callable[[], None]) -> None:
+    try:
+        action()
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{file}: field {field!r} cannot be applied ({e!r}); a damaged "
+                              "or forged manifest") from e
+
+
+def _verify_share(engine: ZeroEngine, reader: CheckpointReader) -> None:
+    """This rank's share of the hashing: file i is hashed by rank i mod world size."""
+    comm = engine.comm
     files = sorted(reader.manifest["files"])
-    mine = [f for i, f in enumerate(files) if i % engine.comm.world_size == engine.comm.rank]
-    problems = [p for part in engine.comm.all_gather_object(reader.verify(mine))
-                for p in part]  # type: ignore[union-attr]
+    problems = reader.verify([f for i, f in enumerate(files) if i % comm.world_size == comm.rank])
     if problems:
         raise CheckpointError("; ".join(problems))
 
 
-def _param_states(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per parameter name: {"scalars": {...}, "tensors": [...]} (v1 checkpoints recorded
-    scalars per param group, every parameter of a group with the same state)."""
-    if "param_states" in manifest:
-        return manifest["param_states"]
-    groups = manifest.get("scalar_states", {})
-    keys = manifest.get("state_keys", [])
-    out = {}
-    for layout in manifest["units"]:
-        for name, _, _, _, group in layout["slots"]:
-            scalars = groups.get(str(group), {})
-            if scalars or keys:
-                out[name] = {"scalars": scalars, "tensors": keys}
-    return out
+@dataclass
+class _Staged:
+    """Everything a load writes into the engine, read before the engine is touched."""
+
+    reader: CheckpointReader
+    masters: list[tuple[torch.Tensor, int, torch.Tensor]]
+    """(a unit's master shard, offset in it, values)"""
+    module: dict[str, torch.Tensor]
+    records: dict[str, dict[str, Any]]
+    ranges: dict[tuple[str, str, int, int], torch.Tensor]
+    """Optimizer state ranges, by (parameter, key, start, end)."""
+    client_state: dict[str, Any] | None
+
+    def read(self, name: str, key: str, start: int, end: int) -> torch.Tensor:
+        staged = self.ranges.get((name, key, start, end))
+        return staged if staged is not None else self.reader.read_range(name, key, start, end)
 
 
-def _load_optimizer_state(engine: ZeroEngine, reader: CheckpointReader, rank: int) -> None:
-    states = _param_states(reader.manifest)
-    if not states:
-        return  # saved before the first step: nothing to restore
-    inner = engine.optimizer.inner
-    state_dict = inner.state_dict()
-    index = {id(p): i for i, p in enumerate(p for g in inner.param_groups for p in g["params"])}
-    new_state: dict[int, dict[str, Any]] = {}
-    for seg in engine.optimizer.segments:
+def _stage(engine: ZeroEngine, reader: CheckpointReader, load_optimizer: bool,
+           before_commit: Callable[[dict[str, Any] | None], None] | None) -> _Staged:
+    """Read what this rank will write: its master pieces, the module's buffers, its optimizer
+    state ranges, the client state. Costs one more copy of the rank's shard until commit."""
+    rank = engine.comm.rank if engine.plan.optimizer_shards > 1 else 0
+    masters = []
+    for unit in engine.units:
+        for piece in unit.layout.pieces(rank):
+            values = reader.read_range(piece.slot.name, "master", piece.slot_start,
+                                       piece.slot_start + piece.numel)
+            masters.append((unit.param_store.master, piece.shard_start, values))
+    module = {key: reader.module_tensor(key) for key in engine.unmanaged_state()}
+    records = param_records(reader.manifest) if load_optimizer else {}
+    ranges = {request: reader.read_range(*request)
+              for request in _optimizer_ranges(engine, records)}
+    client = _load_client_state(reader.path, reader.manifest)
+    if before_commit is not None:
+        before_commit(client)
+    return _Staged(reader, masters, module, records, ranges, client)
+
+
+def _optimizer_ranges(engine: ZeroEngine, records: dict[str, dict[str, Any]]
+                      ) -> Iterator[tuple[str, str, int, int]]:
+    """The (parameter, key, start, end) ranges ``optim_state.load_records`` will ask for:
+    each piece this rank owns, at its offset inside the parameter."""
+    opt = engine.optimizer
+    for seg in opt.segments:
         slot = seg.unit.layout.slots[seg.index]
-        saved = states.get(slot.name)
-        if saved is None:
-            continue  # the parameter had no optimizer state when saved
-        offset = seg.start - _piece_start(seg, rank)
-        entry: dict[str, Any] = {
-            key: reader.read_range(slot.name, key, offset, offset + seg.end - seg.start)
-            .to(torch.float32) for key in saved["tensors"]
-        }
-        for key, value in saved["scalars"].items():
-            entry[key] = torch.tensor(value, dtype=torch.float32)
-        new_state[index[id(seg.view)]] = entry
-    state_dict["state"] = new_state
-    inner.load_state_dict(state_dict)
+        record = records.get(slot.name)
+        if record is None:
+            continue
+        lo, _ = seg.unit.layout.shard_bounds(opt.rank)
+        start = seg.start + lo - slot.offset
+        for key in record["tensors"]:
+            yield slot.name, key, start, start + seg.end - seg.start
 
 
-def _piece_start(seg: Any, rank: int) -> int:
-    """Where the segment's parameter starts relative to the shard (negative when it began on
-    an earlier rank's shard): shard offset minus offset inside the parameter."""
-    slot = seg.unit.layout.slots[seg.index]
-    lo, _ = seg.unit.layout.shard_bounds(rank)
-    return slot.offset - lo
+def _commit(engine: ZeroEngine, staged: _Staged, load_optimizer: bool) -> None:
+    """Write what ``_stage`` read. Nothing here reads a file or can find a problem."""
+    manifest = staged.reader.manifest
+    engine.runtime.reshard_all()
+    engine.zero_grad()
+    with torch.no_grad():
+        for master, start, values in staged.masters:
+            master[start : start + values.numel()].copy_(values)
+        engine.refresh_compute_copies()
+        for key, tensor in engine.unmanaged_state().items():
+            tensor.copy_(staged.module[key])
+    groups = manifest.get("param_groups")  # v1 checkpoints did not record them
+    if load_optimizer:
+        if staged.records:  # else saved before the first step: nothing to restore
+            load_records(engine.optimizer, staged.records, staged.read)
+        if groups is not None:  # lr, initial_lr, ...: where the schedule had got to
+            restore_hyperparameters(engine.user_optimizer, groups)
+    state = manifest["engine"]
+    engine.global_step, engine.skipped_steps = state["global_step"], state["skipped_steps"]
+    if engine.scaler is not None and state["loss_scaler"] is not None:
+        engine.scaler.load_state_dict(state["loss_scaler"])
+    engine.comm.barrier()
 
 
 def read_client_state(directory: str | os.PathLike, tag: str | None = None
                       ) -> dict[str, Any] | None:
-    """The client state saved with a checkpoint (None if none was), without an engine."""
-    path = resolve(directory, tag)
-    return _load_client_state(path, CheckpointReader(path).manifest)
+    """The client state saved with a checkpoint (None if none was), without an engine: the
+    checkpoint is checked as for loading and the file's sha256 verified first."""
+    reader = CheckpointReader(resolve(directory, tag))
+    return _load_client_state(reader.path, reader.manifest, verify=reader)
 
 
-def _load_client_state(path: Path, manifest: dict[str, Any]) -> dict[str, Any] | None:
+def _load_client_state(path: Path, manifest: dict[str, Any],
+                       verify: CheckpointReader | None = None) -> dict[str, Any] | None:
+    """The client state, unpickled only with ``weights_only=True`` (tensors and plain
+    containers; no code runs), from a file listed in the manifest with its sha256 (verified
+    here when ``verify`` is given, else by the caller)."""
     if not manifest.get("client_state"):
         return None
-    file = path / manifest["client_state"]
+    file = path / CLIENT_FILE
+    problems = verify.verify([CLIENT_FILE]) if verify is not None else []
+    if problems:
+        raise CheckpointError("; ".join(problems))
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # unpickling refused or a damaged file
-        raise CheckpointError(f"{file}: cannot be loaded with weights_only=True ({e})") from e
+        raise CheckpointError(f"{file}: cannot be loaded with weights_only=True "
+                              f"({refusal(e)})") from e
 
 
 # ------------------------------------------------------------------------ consolidation
-
-
 def consolidate(directory: str | os.PathLike, *, tag: str | None = None,
                 dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The checkpoint as a plain ``model.state_dict()`` (loads with ``strict=True``)."""
@@ -326,33 +457,38 @@ def consolidate(directory: str | os.PathLike, *, tag: str | None = None,
 def write_consolidated(directory: str | os.PathLike, out: str | os.PathLike, *,
                        tag: str | None = None, dtype: torch.dtype | None = None) -> Path:
     """Stream the consolidated state dict into a safetensors file, one tensor at a time: peak
-    memory is the largest tensor, not the model."""
+    memory is the largest tensor, not the model. A failed write leaves no partial file."""
     reader = CheckpointReader(resolve(directory, tag))
     reader.verify_all()
     entries = list(reader.entries(dtype))
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": str(reader.path)}}
     offset = 0
     for key, _, shape, dt in entries:
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
-        header[key] = {"dtype": _ST_DTYPES[dt], "shape": list(shape),
+        nbytes = torch.Size(shape).numel() * dt.itemsize
+        header[key] = {"dtype": ST_DTYPES[dt], "shape": list(shape),
                        "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # tensor data 8-byte aligned, as safetensors writes it
     target = Path(out)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for _, load_fn, _, _ in entries:
-            tensor = load_fn().contiguous()
-            f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
-            del tensor
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for _, load_fn, _, _ in entries:
+                tensor = load_fn().contiguous()
+                f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+                del tensor
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(target.parent)
     return target
 
 
-__all__ = ["CLIENT_FILE", "CheckpointReader", "consolidate", "load", "write_consolidated"]
+__all__ = ["CLIENT_FILE", "CheckpointReader", "consolidate", "load", "read_client_state",
+           "resolve", "write_consolidated"]

@@ -209,6 +209,22 @@ class Runtime:
             self.reshard_all()
             self._callback_queued = False
 
+    def reset(self) -> None:
+        """Back to "no pass in progress": wait for collectives already issued (every rank
+        issued them, in the same order), then forget counts, order and pins. Run by
+        ``zero_grad()``, so an exception in the middle of a pass leaves nothing behind."""
+        for unit in self._launched:
+            unit.grad_store.wait()
+        self._launched = []
+        for unit in self.units:
+            unit.ready = 0
+            unit.reduced_this_pass = False
+        self._complete = set()
+        self._cursor = 0
+        self._callback_queued = False
+        self.grads_pending_step = False
+        self.reshard_all()
+
     def _agree_on_used(self) -> None:
         """One small all-reduce: a parameter no rank produced a gradient for since the last
         step is left alone by the optimizer, as torch skips a parameter whose grad is None."""
