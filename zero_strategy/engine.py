@@ -254,9 +254,9 @@ class ZeroEngine:
                                "nn.Module again (build a new ZeroEngine to keep training)")
 
     def _follow_trainability(self) -> None:
-        """Before a forward: hook parameters unfrozen since the last one, and take over
-        parameters the user added to the optimizer (``add_param_group``)."""
-        self.hooks.ensure_grad_hooks(self.units, self.runtime)
+        """Before a forward: take over parameters the user added to the optimizer
+        (``add_param_group``). Gradient hooks for unfrozen parameters are added in
+        ``backward()``, the one place every gradient passes."""
         signature = _signature(self.user_optimizer)
         if signature != self._optimizer_signature:
             self._adopt_new_parameters()

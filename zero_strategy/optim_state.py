@@ -10,7 +10,7 @@ files and a full state dict slices its tensors, with one loading path for both.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +43,19 @@ def local_records(opt: ShardedOptimizer) -> Records:
     return records
 
 
+def piece_ranges(opt: ShardedOptimizer, records: Records
+                 ) -> Iterator[tuple[Segment, str, int, int]]:
+    """For each piece this rank owns whose parameter has a record: (segment, parameter name,
+    start, end) of the piece inside the parameter (flattened)."""
+    for seg in opt.segments:
+        slot = seg.unit.layout.slots[seg.index]
+        if slot.name not in records:
+            continue
+        lo, _ = seg.unit.layout.shard_bounds(opt.rank)
+        start = seg.start + lo - slot.offset
+        yield seg, slot.name, start, start + seg.end - seg.start
+
+
 def load_records(opt: ShardedOptimizer, records: Records, read: Reader) -> None:
     """Replace the inner optimizer's state with the records' (a parameter without a record has
     no state afterwards, as if it had never been stepped)."""
@@ -50,18 +63,12 @@ def load_records(opt: ShardedOptimizer, records: Records, read: Reader) -> None:
     state_dict = inner.state_dict()
     index = {id(p): i for i, p in enumerate(p for g in inner.param_groups for p in g["params"])}
     new_state: dict[int, dict[str, Any]] = {}
-    for seg in opt.segments:
-        record = records.get(_name(seg))
-        if record is None:
-            continue
-        slot = seg.unit.layout.slots[seg.index]
-        lo, _ = seg.unit.layout.shard_bounds(opt.rank)
-        start = seg.start + lo - slot.offset  # offset of the piece inside the parameter
+    for seg, name, start, end in piece_ranges(opt, records):
+        record = records[name]
         # clone: the source may be live tensors (another optimizer's state_dict()), which
         # torch's load_state_dict would otherwise alias
-        entry: dict[str, Any] = {
-            key: read(slot.name, key, start, start + seg.end - seg.start).clone()
-            for key in record["tensors"]}
+        entry: dict[str, Any] = {key: read(name, key, start, end).clone()
+                                 for key in record["tensors"]}
         for key, value in record["scalars"].items():
             entry[key] = torch.tensor(value, dtype=torch.float32)
         new_state[index[id(seg.view)]] = entry

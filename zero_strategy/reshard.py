@@ -28,12 +28,12 @@ from .checkpoint import (
     MANIFEST,
     MODULE_FILE,
     CheckpointError,
-    _fsync_dir,
     _layout_from_json,
     _sha256,
+    atomic_file,
     shard_file,
 )
-from .optim_state import load_records, restore_hyperparameters
+from .optim_state import load_records, piece_ranges, restore_hyperparameters
 from .validation import (
     DTYPES_FROM_ST,
     PARAM_DTYPES,
@@ -354,8 +354,7 @@ class _Staged:
     client_state: dict[str, Any] | None
 
     def read(self, name: str, key: str, start: int, end: int) -> torch.Tensor:
-        staged = self.ranges.get((name, key, start, end))
-        return staged if staged is not None else self.reader.read_range(name, key, start, end)
+        return self.ranges[(name, key, start, end)]  # staged from the same piece_ranges
 
 
 def _stage(engine: ZeroEngine, reader: CheckpointReader, load_optimizer: bool,
@@ -372,27 +371,19 @@ def _stage(engine: ZeroEngine, reader: CheckpointReader, load_optimizer: bool,
     module = {key: reader.module_tensor(key) for key in engine.unmanaged_state()}
     records = param_records(reader.manifest) if load_optimizer else {}
     ranges = {request: reader.read_range(*request)
-              for request in _optimizer_ranges(engine, records)}
+              for request in _optimizer_requests(engine, records)}
     client = _load_client_state(reader.path, reader.manifest)
     if before_commit is not None:
         before_commit(client)
     return _Staged(reader, masters, module, records, ranges, client)
 
 
-def _optimizer_ranges(engine: ZeroEngine, records: dict[str, dict[str, Any]]
-                      ) -> Iterator[tuple[str, str, int, int]]:
-    """The (parameter, key, start, end) ranges ``optim_state.load_records`` will ask for:
-    each piece this rank owns, at its offset inside the parameter."""
-    opt = engine.optimizer
-    for seg in opt.segments:
-        slot = seg.unit.layout.slots[seg.index]
-        record = records.get(slot.name)
-        if record is None:
-            continue
-        lo, _ = seg.unit.layout.shard_bounds(opt.rank)
-        start = seg.start + lo - slot.offset
-        for key in record["tensors"]:
-            yield slot.name, key, start, start + seg.end - seg.start
+def _optimizer_requests(engine: ZeroEngine, records: dict[str, dict[str, Any]]
+                        ) -> Iterator[tuple[str, str, int, int]]:
+    """The (parameter, key, start, end) reads ``optim_state.load_records`` will make."""
+    for _, name, start, end in piece_ranges(engine.optimizer, records):
+        for key in records[name]["tensors"]:
+            yield name, key, start, end
 
 
 def _commit(engine: ZeroEngine, staged: _Staged, load_optimizer: bool) -> None:
@@ -471,22 +462,13 @@ def write_consolidated(directory: str | os.PathLike, out: str | os.PathLike, *,
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # tensor data 8-byte aligned, as safetensors writes it
     target = Path(out)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
-            for _, load_fn, _, _ in entries:
-                tensor = load_fn().contiguous()
-                f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
-                del tensor
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(target.parent)
+    with atomic_file(target) as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for _, load_fn, _, _ in entries:
+            tensor = load_fn().contiguous()
+            f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+            del tensor
     return target
 
 
