@@ -57,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="samples per rank per micro-batch")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--shuffle", action="store_true", help="shuffle the training data")
     p.add_argument("--save-at", type=int, default=None, help="save_state after this many steps")
     p.add_argument("--save-dir", default=None)
     p.add_argument("--resume", default=None, help="load_state from this folder and continue")
@@ -237,7 +238,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     initial = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     optimizer = make_optimizer(model, args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.05 * s))
-    loader = DataLoader(dataset, batch_size=args.batch, shuffle=False)
+    loader = DataLoader(dataset, batch_size=args.batch, shuffle=args.shuffle)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     progress = Progress()
     accelerator.register_for_checkpointing(progress)

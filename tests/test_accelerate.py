@@ -4,6 +4,7 @@ Accelerate DDP running the same loop, plus the plugin config's loading and valid
 The launched runs (tests/accelerate_launch.py) all start in the module fixtures: plain DDP, and
 ZeRO stages 1-3 and stage 3 with offload, each a full run that saves its state half-way; then
 each ZeRO variant relaunched from that state. fp32, accumulation 2, clipping at 1.0 (engaged).
+And a GPT-2 with dropout on a shuffled loader at stage 3, saved after 6 of 12 steps and resumed.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from tests.accelerate_launch import CONF, Job, Outcome, run_jobs
@@ -30,6 +32,10 @@ VARIANTS = {
     "zero3": ("zero3.yaml", SMALL_UNITS),
     "zero3_offload": ("zero3_offload.yaml", SMALL_UNITS),
 }
+# The recipe's 2-layer GPT-2 (dropout 0.1) on a shuffled loader, one batch per step.
+GPT2_STEPS, GPT2_SAVE_AT = 12, 6
+GPT2 = ["--model", "gpt2", "--shuffle", "--steps", str(GPT2_STEPS), "--accum", "1",
+        "--zero-opt", "unit_numel=5000", "--zero-opt", "param_persistence_threshold=100"]
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +46,14 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def outcomes(work: Path) -> dict[str, Outcome]:
     """Every launch of the module: full runs (the ZeRO ones save at SAVE_AT), each ZeRO variant
-    resumed from its saved state, a bad-config launch and a plain-python run."""
-    jobs = [Job("ddp", ["--mode", "ddp", *COMMON], work / "ddp")]
+    resumed from its saved state, the GPT-2 pair, a bad-config launch and a plain-python run."""
+    # First: the GPT-2 pair is the longest chain (transformers' import is most of each launch).
+    gpt2_env, gpt2_ckpt = {CONFIG_ENV: str(CONF / "zero3.yaml")}, str(work / "gpt2-ckpt")
+    jobs = [Job("gpt2", [*GPT2, "--save-at", str(GPT2_SAVE_AT), "--save-dir", gpt2_ckpt],
+                work / "gpt2", env=gpt2_env),
+            Job("gpt2-resumed", [*GPT2, "--resume", gpt2_ckpt], work / "gpt2-resumed",
+                env=gpt2_env, after="gpt2"),
+            Job("ddp", ["--mode", "ddp", *COMMON], work / "ddp")]
     for name, (plugin, overrides) in VARIANTS.items():
         env, ckpt = {CONFIG_ENV: str(CONF / plugin)}, str(work / f"{name}-ckpt")
         jobs.append(Job(name, [*COMMON, *overrides, "--save-at", str(SAVE_AT), "--save-dir", ckpt],
@@ -158,6 +170,47 @@ def test_resume_equals_uninterrupted_run(runs: dict[str, Outcome],
     rel = _weights_rel(full[0]["weights"], again[0]["weights"])
     assert rel <= TOL, f"{name}: resumed final weights differ by {rel:.2e}"
     assert _close(full[0]["eval_loss"], again[0]["eval_loss"])
+
+
+def test_resume_with_dropout_and_a_shuffled_loader_is_bit_exact(
+        runs: dict[str, Outcome]) -> None:
+    """The documented resume (load_state, then skip_first_batches for the rest of the epoch)
+    repeats the uninterrupted run's batches and dropout masks: equal losses and weights, bit for
+    bit. Plain Accelerate's skipped loader draws one number from the global generator after
+    load_state restored it, shifting every later dropout mask on CPU; ZeroAccelerator's does
+    not (``skip_first_batches``)."""
+    full, again = _ok(runs["gpt2"]), _ok(runs["gpt2-resumed"])
+    for a, b in zip(full, again):
+        assert b["start_step"] == GPT2_SAVE_AT and b["steps"] == GPT2_STEPS
+        assert b["losses"] == a["losses"][GPT2_SAVE_AT:]
+        assert b["lrs"] == a["lrs"][GPT2_SAVE_AT:]
+    assert again[0]["weights"] == full[0]["weights"]
+    assert again[0]["eval_loss"] == full[0]["eval_loss"]
+
+
+def test_the_resumed_loader_leaves_the_global_generator_alone() -> None:
+    """The cause and the fix in isolation: starting a DataLoader's iterator draws from the
+    global generator; after what ZeroAccelerator.skip_first_batches applies it does not, and the
+    batches are the same. A loader with the user's own generator is left as it is."""
+    from torch.utils.data import DataLoader
+
+    from zero_strategy.accelerate import _seed_workers_from_a_copy
+
+    def first_batch(loader: DataLoader) -> tuple[list[int], bool]:
+        torch.manual_seed(3)
+        before = torch.get_rng_state()
+        batch = next(iter(loader))
+        return batch.tolist(), torch.equal(before, torch.get_rng_state())
+
+    order = torch.randperm(10, generator=torch.Generator().manual_seed(1)).tolist()
+    loader = DataLoader(torch.arange(10), batch_size=4, sampler=order)
+    assert first_batch(loader) == (order[:4], False)
+    _seed_workers_from_a_copy(loader)
+    assert first_batch(loader) == (order[:4], True)
+    own = torch.Generator()
+    loader = DataLoader(torch.arange(10), batch_size=4, shuffle=True, generator=own)
+    _seed_workers_from_a_copy(loader)
+    assert loader.generator is own
 
 
 def test_save_state_layout(runs: dict[str, Outcome], work: Path) -> None:

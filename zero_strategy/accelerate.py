@@ -59,6 +59,10 @@ Differences from plain Accelerate, all because the state is sharded:
 - One ZeRO model per accelerator, prepared together with its optimizer; other models (e.g. a
   frozen teacher) get Accelerate's usual preparation. Accelerate's dynamo settings are not
   applied to the ZeRO model.
+
+Not about sharding: ``skip_first_batches`` returns a loader whose iterator does not draw from
+the global torch generator, so a mid-epoch resume repeats the uninterrupted run's dropout masks
+(plain Accelerate's draws once after ``load_state`` restored the generator).
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DynamoBackend, InitProcessGroupKwargs, convert_to_fp32
 from accelerate.utils import load as accelerate_load
 from torch import nn
+from torch.utils.data import DataLoader
 
 from . import collectives, reshard
 from .checkpoint import CheckpointError
@@ -475,6 +480,25 @@ class ZeroAccelerator(Accelerator):
                 "at once (the norm is global over shards): pass model.parameters()"
             )
 
+    # ------------------------------------------------------------------ data
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """Accelerate's loader for the rest of a resumed epoch, whose iterator leaves the global
+        torch generator alone, so a resume is bit-exact with dropout (and a shuffled loader).
+
+        Starting a DataLoader iterator draws its workers' base seed from the global CPU
+        generator (unless the loader has its own ``generator``). The uninterrupted run drew it
+        at the start of the epoch, before ``save_state`` recorded the generator; the resumed run
+        would draw it again right after ``load_state`` restored it, shifting every later CPU
+        draw (dropout) by one. This loader draws it from a copy of the global generator taken
+        here instead: the seed plain Accelerate would use, the global stream untouched. With
+        ``num_batches=0`` the resumed run starts a new epoch, as the uninterrupted one did
+        (drawing), so the loader is Accelerate's own. Iterate it for that epoch only, as
+        Accelerate documents; later epochs use the original loader."""
+        skipped = super().skip_first_batches(dataloader, num_batches)
+        if num_batches > 0:
+            _seed_workers_from_a_copy(skipped)
+        return skipped
+
     # ------------------------------------------------------------------ weights
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
                      keep_torch_compile: bool = True) -> nn.Module:
@@ -623,6 +647,18 @@ def _custom_states_from(states: list[Any]) -> Iterator[None]:
         yield
     finally:
         accelerator_module.load_custom_state = original
+
+
+def _seed_workers_from_a_copy(loader: Any) -> None:
+    """Give ``loader`` (or the torch DataLoader Accelerate wraps in it) a generator of its own
+    for the base-seed draw its iterators make, a copy of the global CPU generator's state, when
+    it has none. Its sampler is already built, so the generator is used for nothing else;
+    a loader with the user's own generator is left as it is (that draw is part of its epoch)."""
+    base = getattr(loader, "base_dataloader", loader)  # DataLoaderShard / Dispatcher wrap one
+    if isinstance(base, DataLoader) and base.generator is None:
+        copy = torch.Generator()
+        copy.set_state(torch.get_rng_state())
+        base.generator = copy
 
 
 def _reject_other_backends(kwargs: dict[str, Any]) -> None:
