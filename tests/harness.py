@@ -86,7 +86,7 @@ def _worker(module_file: str, out_dir: str) -> None:
 
     torch.set_num_threads(1)
     backend = os.environ.get("ZS_BACKEND", "gloo")
-    if backend == "nccl":
+    if backend != "gloo":  # nccl, or gloo on CUDA tensors ("cpu:gloo,cuda:gloo")
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     dist.init_process_group(backend, timeout=timedelta(seconds=120))
     spec = importlib.util.spec_from_file_location("scenarios", module_file)

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from zero_strategy.flat import shard_numel_for
+
 TAG = "t"
 MANIFEST = "manifest.json"
 SHARD0, SHARD1 = "shard-00000.safetensors", "shard-00001.safetensors"
@@ -80,7 +82,8 @@ def _last_slot(m: dict[str, Any], numel: int) -> None:
     slot = unit["slots"][-1]
     slot[1], slot[3] = [numel], numel
     m["params"][slot[0]]["shape"] = [numel]
-    unit["shard_numel"] = max(1, -(-(slot[2] + numel) // unit["num_shards"]))
+    unit["shard_numel"] = shard_numel_for(slot[2] + numel, unit["num_shards"],
+                                          unit["shard_align"])
 
 
 def _one_shard(m: dict[str, Any]) -> None:
@@ -88,7 +91,8 @@ def _one_shard(m: dict[str, Any]) -> None:
     m["optimizer_shards"] = 1
     for unit in m["units"]:
         end = unit["slots"][-1][2] + unit["slots"][-1][3] if unit["slots"] else 0
-        unit["num_shards"], unit["shard_numel"] = 1, max(1, end)
+        unit["num_shards"] = 1
+        unit["shard_numel"] = shard_numel_for(end, 1, unit["shard_align"])
     del m["files"][SHARD1]
 
 

@@ -65,14 +65,42 @@ def write_for_other_worlds() -> dict:
     return {"tag": "after3"}
 
 
-def load_elsewhere(stage: int) -> dict:
+def write_format_v2() -> dict:
+    """A checkpoint as format v2 wrote it (shard sizes not aligned), for load_elsewhere."""
+    import functools
+    import json
+
+    import zero_strategy.units as units
+
+    aligned = units.make_layout
+    units.make_layout = functools.partial(aligned, shard_align=1)
+    try:
+        engine = _engine("mlp", 3)  # sizes 5, 16, ...: shards of 2 ranks unaligned
+    finally:
+        units.make_layout = aligned
+    _run(engine, "mlp", _batches("mlp", 3))
+    path = engine.save_checkpoint(ROOT / "v2", tag="after3")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        manifest = json.loads((path / "manifest.json").read_text())
+        manifest["version"] = 2
+        for unit in manifest["units"]:
+            del unit["shard_align"]
+        (path / "manifest.json").write_text(json.dumps(manifest))
+    dist.barrier()
+    new = [u.layout.shard_numel for u in _engine("mlp", 3).units]
+    return {"unaligned_units": sum(u.layout.shard_numel != n
+                                   for u, n in zip(engine.units, new))}
+
+
+def load_elsewhere(stage: int, source: str = "cross", kind: str = "gpt2") -> dict:
     """Load the N=2 stage-3 checkpoint at this world size and ``stage``: weights and every
     Adam state must equal the saved ones, and training continues."""
-    engine = _engine("gpt2", stage)
-    engine.load_checkpoint(ROOT / "cross")
-    saved = zs.consolidate(ROOT / "cross")
+    engine = _engine(kind, stage)
+    engine.load_checkpoint(ROOT / source)
+    saved = zs.consolidate(ROOT / source)
     full = engine.full_state_dict()
-    reader = zs.reshard.CheckpointReader(zs.reshard.resolve(ROOT / "cross"))
+    reader = zs.reshard.CheckpointReader(zs.reshard.resolve(ROOT / source))
     states_equal = True
     rank = dist.get_rank() if engine.plan.optimizer_shards > 1 else 0
     for seg in engine.optimizer.segments:
@@ -87,7 +115,7 @@ def load_elsewhere(stage: int) -> dict:
                 want = reader.read_range(piece.slot.name, key, off, off + hi - lo)
                 states_equal &= torch.equal(state[key][lo - seg.start : hi - seg.start], want)
         states_equal &= float(state["step"]) == 3.0
-    losses = _run(engine, "gpt2", _batches("gpt2", 2))
+    losses = _run(engine, kind, _batches(kind, 2))
     return {"weights_equal": all(torch.equal(full[k], saved[k]) for k in saved),
             "states_equal": bool(states_equal), "losses": losses,
             "global_step": engine.global_step}
@@ -136,10 +164,13 @@ if WORLD == 2:
     register("resume_stage1_fp16", exact_resume, stage=1, kind="mlp", precision="16-mixed",
              loss_scale={"initial_scale": 256.0, "growth_interval": 2})
     register("write_cross", write_for_other_worlds)
+    register("write_v2", write_format_v2)
 elif WORLD == 3:
     register("load_n3_stage2", load_elsewhere, stage=2)
     register("load_n3_stage3", load_elsewhere, stage=3)
+    register("load_v2_n3_stage1", load_elsewhere, stage=1, source="v2", kind="mlp")
 else:
+    register("load_v2_n1_stage3", load_elsewhere, stage=3, source="v2", kind="mlp")
     register("load_n1_stage0", load_elsewhere, stage=0)
     register("load_n1_stage3", load_elsewhere, stage=3)
     register("damaged", damaged)

@@ -14,10 +14,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import zero_strategy as zs
 from tests.harness import register
 from tests.models import MLP, STAGE3, batch, loss_of, make_model, make_optimizer
+from zero_strategy import offload
 
 
 def _config(kind: str, stage: int, **kw) -> zs.ZeroConfig:
-    return zs.ZeroConfig(stage=stage, **(STAGE3[kind] if stage == 3 else {}), **kw)
+    return zs.ZeroConfig(stage=stage, **{**(STAGE3[kind] if stage == 3 else {}), **kw})
 
 
 def _train(engine: zs.ZeroEngine, kind: str, steps: int, seed: int) -> list[float]:
@@ -32,12 +33,93 @@ def _train(engine: zs.ZeroEngine, kind: str, steps: int, seed: int) -> list[floa
     return losses
 
 
-def offload_bitwise(stage: int, offload_params: bool = False, kind: str = "gpt2") -> dict:
-    """The offloaded engine and the plain one, same data: weights must be bit-identical."""
+class DelayedTransfers(offload.Transfers):
+    """Host<->device copies as a slow GPU runs them, on the CPU. A copy happens only when
+    waited on (or when a later one is: one stream runs them in order), into host buffers that
+    start as NaN, so reading a copy's destination before waiting gives a different result.
+    ``wait_device`` makes a copy visible to compute (a copy into device memory), not to the
+    host. A host buffer a copy reads must not change until the host waited on that copy
+    (``settle``): changes made earlier are counted in ``races``, as a GPU would have copied
+    the new values or a mix."""
+
+    host_is_separate = True  # type: ignore[assignment]  # host buffers stand for pinned memory
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.queue: list[dict] = []
+        self.reading: list[dict] = []
+        """Copies that ran from a host buffer the host has not waited on since."""
+        self.issued = self.races = 0
+        self.host_storages: set[int] = set()
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        buffer = torch.full((numel,), float("nan"), dtype=dtype)
+        self.host_storages.add(buffer.untyped_storage().data_ptr())
+        return buffer
+
+    def is_host(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self.host_storages
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> offload.Copy:
+        self.check()
+        if self.is_host(dst) and self.is_host(src):  # Transfers copies these at once
+            dst.copy_(src)
+            return offload.DONE
+        entry = {"dst": dst, "src": src, "done": False, "index": self.issued}
+        self.queue.append(entry)
+        self.issued += 1
+        return _Delayed(self, entry)
+
+    def run_through(self, entry: dict) -> None:
+        while not entry["done"]:
+            head = self.queue.pop(0)
+            head["dst"].copy_(head["src"])
+            head["done"] = True
+            if self.is_host(head["src"]):
+                self.reading.append({**head, "snapshot": head["src"].clone()})
+
+    def settle_through(self, entry: dict) -> None:
+        self.run_through(entry)
+        self.check()
+        self.reading = [r for r in self.reading if r["index"] > entry["index"]]
+
+    def check(self) -> int:
+        for r in self.reading:
+            if not torch.equal(r["src"], r["snapshot"]) and not r.get("counted"):
+                r["counted"] = True
+                self.races += 1
+        return self.races
+
+
+class _Delayed:
+    def __init__(self, transfers: DelayedTransfers, entry: dict) -> None:
+        self.transfers, self.entry = transfers, entry
+
+    def wait_host(self) -> None:
+        self.transfers.settle_through(self.entry)
+
+    def wait_device(self) -> None:
+        if not self.transfers.is_host(self.entry["dst"]):
+            self.transfers.run_through(self.entry)
+
+
+def offload_bitwise(stage: int, offload_params: bool = False, kind: str = "gpt2",
+                    delayed: bool = False, **extra) -> dict:
+    """The offloaded engine and the plain one, same data: weights must be bit-identical.
+    ``delayed``: every host<->device copy of the offloaded engine is delayed until waited on."""
     plain_model, off_model = make_model(kind), make_model(kind)
-    plain = zs.ZeroEngine(plain_model, make_optimizer("adamw", plain_model), _config(kind, stage))
-    off = zs.ZeroEngine(off_model, make_optimizer("adamw", off_model), _config(
-        kind, stage, offload_optimizer=True, offload_params=offload_params))
+    plain = zs.ZeroEngine(plain_model, make_optimizer("adamw", plain_model),
+                          _config(kind, stage, **extra))
+    made: list[DelayedTransfers] = []
+    factory = offload.Transfers.for_device
+    if delayed:
+        offload.Transfers.for_device = lambda device: made.append(  # type: ignore[method-assign]
+            DelayedTransfers(device)) or made[-1]
+    try:
+        off = zs.ZeroEngine(off_model, make_optimizer("adamw", off_model), _config(
+            kind, stage, offload_optimizer=True, offload_params=offload_params, **extra))
+    finally:
+        offload.Transfers.for_device = factory  # type: ignore[method-assign]
     a, b = _train(plain, kind, 5, 7), _train(off, kind, 5, 7)
     sa, sb = plain.full_state_dict(), off.full_state_dict()
     masters = [u.param_store.master for u in off.units]
@@ -48,6 +130,8 @@ def offload_bitwise(stage: int, offload_params: bool = False, kind: str = "gpt2"
         "master_separate": all(m.data_ptr() != u.param_store.full.data_ptr()
                                for m, u in zip(masters, off.units)),
         "report": off.memory_report(),
+        "delayed_copies": made[0].issued if made else 0,
+        "races": made[0].check() if made else 0,
     }
 
 
@@ -137,6 +221,24 @@ def fp16_overflow(stage: int) -> dict:
             "master_dtypes": sorted({str(u.param_store.master.dtype) for u in engine.units})}
 
 
+def fp16_predivide() -> dict:
+    """fp16 gradients reduced in fp16 (reduce_dtype="compute") whose scaled value is 40960 on
+    every rank: summed first they overflow (2 x 40960 > 65504, fp16's largest), divided by
+    the world size first they average to 40960. The step must happen, and exactly: SGD with
+    lr 2**-10 on gradient 1.25 moves each weight by 1.25 * 2**-10 (all exact in fp32)."""
+    model = torch.nn.Linear(4, 1, bias=False)
+    torch.nn.init.ones_(model.weight)
+    engine = zs.ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=2.0 ** -10),
+                           zs.ZeroConfig(stage=2, precision="16-mixed", reduce_dtype="compute",
+                                         loss_scale={"static_scale": 32768.0}))
+    x = torch.full((1, 4), 1.25)
+    engine.backward(engine(x).float().sum())
+    stepped = engine.step()
+    weight = engine.full_state_dict()["weight"]
+    return {"stepped": stepped, "weight": weight.flatten().tolist(),
+            "expected": [1.0 - 1.25 * 2.0 ** -10] * 4}
+
+
 def fp16_trains(stage: int) -> dict:
     """fp16 at a scale that does not overflow trains the MLP close to the fp32 run (the
     default 2**16 overflows this loss on the first steps and would skip them, as DeepSpeed
@@ -158,6 +260,17 @@ def fp16_trains(stage: int) -> dict:
 for _stage in (1, 2, 3):
     register(f"offload_optimizer_stage{_stage}", offload_bitwise, stage=_stage)
 register("offload_params_stage3", offload_bitwise, stage=3, offload_params=True)
+for _stage in (1, 2):
+    register(f"delayed_offload_optimizer_stage{_stage}", offload_bitwise, stage=_stage,
+             delayed=True)
+# Every parameter sharded: no later replicated unit's copy flushes the stream before a gather.
+register("delayed_offload_optimizer_stage3", offload_bitwise, stage=3, delayed=True,
+         param_persistence_threshold=0)
+register("delayed_offload_params_stage3", offload_bitwise, stage=3, offload_params=True,
+         delayed=True)
+register("delayed_offload_params_stage3_no_prefetch", offload_bitwise, stage=3,
+         offload_params=True, delayed=True, prefetch=False)
+register("fp16_sum_would_overflow", fp16_predivide)
 for _stage in range(4):
     register(f"bf16_stage{_stage}", bf16_vs_autocast, stage=_stage)
     register(f"fp16_overflow_stage{_stage}", fp16_overflow, stage=_stage)

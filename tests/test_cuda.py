@@ -1,5 +1,7 @@
-"""GPU checks (nccl, pinned memory, host<->device copies). Skipped without CUDA; every path
-they touch also has a CPU test."""
+"""GPU checks: parity with the global-batch reference at every stage on CUDA, delayed offload
+copies, host syncs per step, peak memory against the formula, a GPU checkpoint loaded by a
+CPU world. Skipped without CUDA (``python -m pytest -m cuda tests/test_cuda.py`` runs them);
+every path they touch also has a CPU test. See tests/scenarios_cuda.py for the tolerances."""
 
 from __future__ import annotations
 
@@ -11,23 +13,61 @@ from tests.harness import check, run_world
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
+# Two ranks share one GPU through gloo's CUDA support: nccl refuses two ranks on one device.
+SHARED_GPU = "cpu:gloo,cuda:gloo"
+
 
 @pytest.fixture(scope="module")
-def world() -> dict:
-    n = min(2, torch.cuda.device_count())
-    return run_world("tests/scenarios_cuda.py", n, env={"ZS_BACKEND": "nccl"})
+def worlds(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    ckpt = str(tmp_path_factory.mktemp("gpu-ckpt"))
+    out = {1: run_world("tests/scenarios_cuda.py", 1,
+                        env={"ZS_BACKEND": "nccl", "ZS_CKPT_ROOT": ckpt})}
+    out[2] = run_world("tests/scenarios_cuda.py", 2, env={"ZS_BACKEND": SHARED_GPU,
+                                                          "ZS_CKPT_ROOT": ckpt + "-2"})
+    out[0] = run_world("tests/scenarios_cuda.py", 2,  # CPU gloo world reading the GPU's
+                       env={"ZS_LOAD_GPU_CHECKPOINT": "1", "ZS_CKPT_ROOT": ckpt})
+    return out
 
 
-@pytest.mark.parametrize("name", ["gpu_stage1", "gpu_stage2", "gpu_stage3"])
-def test_nccl_stages_train(world: dict, name: str) -> None:
-    for r in check(world[name]):
-        assert r["master_devices"] == ["cuda"]
-        assert all(x == x for x in r["losses"]) and r["losses"][-1] < r["losses"][0]
-        assert r["report"]["ratio_to_formula"] == pytest.approx(1.0, abs=0.1)
+PARITY = ["parity_stage0", "parity_stage1", "parity_stage2", "parity_stage3",
+          "parity_stage2_offload", "parity_stage3_offload", "parity_stage2_bf16",
+          "parity_stage3_bf16_offload", "parity_stage1_fp16", "parity_stage3_fp16",
+          "parity_stage2_accumulate", "parity_stage3_accumulate_offload"]
 
 
-@pytest.mark.parametrize("name", ["gpu_stage3_offload_bf16", "gpu_stage2_offload"])
-def test_offload_uses_pinned_host_memory(world: dict, name: str) -> None:
-    for r in check(world[name]):
-        assert r["master_devices"] == ["cpu"] and r["pinned"]
-        assert all(x == x for x in r["losses"]) and r["losses"][-1] < r["losses"][0]
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("name", PARITY)
+def test_matches_the_global_batch_reference(worlds: dict, n: int, name: str) -> None:
+    for r in check(worlds[n][name]):
+        assert r["rel_to_update"] <= r["tolerance"], r
+        assert r["master_devices"] == (["cpu"] if "offload" in name else ["cuda"])
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_delayed_offload_copies_change_nothing(worlds: dict, n: int) -> None:
+    for r in check(worlds[n]["offload_race"]):
+        assert r["losses_equal"] and r["weights_equal"]
+
+
+@pytest.mark.parametrize("config", ["stage3", "stage2_offload", "stage2_bf16"])
+def test_no_host_sync_per_unit(worlds: dict, config: str) -> None:
+    """Three times the units, the same syncs per step: none is per unit."""
+    small, large = (check(worlds[2][f"syncs_{config}_{n}"])[0] for n in (2, 6))
+    assert large["per_step"] == small["per_step"], (small, large)
+    assert large["per_step"] <= 4, large["first"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_peak_memory_follows_the_formula(worlds: dict, stage: int) -> None:
+    """Model states dominate (activations of a batch of 2 are ~0.1 %): the peak may exceed
+    the formula by transient buffers (a unit's full gradient before its reduce-scatter, a
+    gathered unit, AdamW's temporaries), bounded here by half the formula."""
+    for r in check(worlds[2][f"memory_stage{stage}"]):
+        assert 0.95 <= r["ratio"] <= 1.5, r
+
+
+def test_gpu_checkpoint_loads_in_a_cpu_world(worlds: dict) -> None:
+    check(worlds[1]["save_on_gpu"])
+    for r in check(worlds[0]["load_on_cpu"]):
+        assert r["weights_equal"] and r["global_step"] == 3 and r["finite"]
+

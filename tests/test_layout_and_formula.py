@@ -17,6 +17,10 @@ def test_layout_shards_cover_every_element_once() -> None:
         assert layout.padded_numel % shards == 0 and layout.padded_numel >= layout.numel
         assert [s.group for s in layout.slots] == [0, 0, 1]  # grouped by optimizer group
         assert all(s.offset % ALIGN_ELEMENTS == 0 for s in layout.slots)
+        # Every rank's shard starts aligned (fused kernels, nccl), with less than one
+        # alignment of padding per rank beyond the even split.
+        assert all(layout.shard_bounds(r)[0] % ALIGN_ELEMENTS == 0 for r in range(shards))
+        assert layout.shard_numel - -(-layout.numel // shards) < ALIGN_ELEMENTS
         seen: dict[str, list[int]] = {s.name: [0] * s.numel for s in layout.slots}
         for rank in range(shards):
             for piece in layout.pieces(rank):

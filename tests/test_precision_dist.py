@@ -21,6 +21,27 @@ def test_offload_is_bit_identical_in_fp32(world: dict, name: str) -> None:
         assert r["master_devices"] == ["cpu"] and r["master_separate"]
 
 
+@pytest.mark.parametrize("name", ["delayed_offload_optimizer_stage1",
+                                  "delayed_offload_optimizer_stage2",
+                                  "delayed_offload_optimizer_stage3",
+                                  "delayed_offload_params_stage3",
+                                  "delayed_offload_params_stage3_no_prefetch"])
+def test_offload_waits_for_every_copy(world: dict, name: str) -> None:
+    """Every host<->device copy delayed until waited on (what a slow GPU copy does): a read
+    before the wait would see NaN or stale values and change the result, and a host write
+    into a buffer a copy may still read is counted as a race."""
+    for r in check(world[name]):
+        assert r["delayed_copies"] > 0
+        assert r["races"] == 0, "a host buffer changed while a copy could still be reading it"
+        assert r["losses_equal"] and r["weights_equal"], name
+
+
+def test_fp16_gradients_are_divided_before_they_are_summed(world: dict) -> None:
+    for r in check(world["fp16_sum_would_overflow"]):
+        assert r["stepped"], "the reduction overflowed: gradients were summed before dividing"
+        assert r["weight"] == r["expected"]
+
+
 # bf16 keeps 8 significant bits (relative rounding 2**-9 ~ 0.2 % per operation). Autocast
 # computes matmuls in bf16 but keeps fp32 weights, LayerNorm and loss; our bf16-mixed runs the
 # whole forward on bf16 weights. Both differ from the fp32 run by rounding alone, so we require

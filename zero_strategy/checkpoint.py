@@ -39,8 +39,9 @@ if TYPE_CHECKING:
     from .engine import ZeroEngine
 
 FORMAT = "zero_strategy.checkpoint"
-VERSION = 2
-READABLE_VERSIONS = (1, 2)
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+"""2: per-parameter optimizer records; 3: shard sizes aligned (``shard_align`` per unit)."""
 """v2 records optimizer state per parameter (v1: scalar states per param group)."""
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -116,13 +117,14 @@ def _layout_json(layout: FlatLayout) -> dict[str, Any]:
     return {
         "num_shards": layout.num_shards,
         "shard_numel": layout.shard_numel,
+        "shard_align": layout.shard_align,
         "slots": [[s.name, list(s.shape), s.offset, s.numel, s.group] for s in layout.slots],
     }
 
 
 def _layout_from_json(data: dict[str, Any]) -> FlatLayout:
     slots = tuple(Slot(n, tuple(shape), off, numel, g) for n, shape, off, numel, g in data["slots"])
-    layout = FlatLayout(slots, data["num_shards"])
+    layout = FlatLayout(slots, data["num_shards"], data.get("shard_align", 1))
     if layout.shard_numel != data["shard_numel"]:
         raise CheckpointError(f"manifest unit layout is inconsistent: {data['shard_numel']} "
                               f"elements per shard recorded, {layout.shard_numel} computed")

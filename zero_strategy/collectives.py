@@ -42,6 +42,30 @@ def group_size() -> int:
     return dist.get_world_size() if group_is_initialized() else 1
 
 
+def backend_for(backend: str, device_type: str) -> str | None:
+    """The backend a group named ``backend`` uses for tensors on ``device_type``, or None when
+    it has none. Torch names a group either by one backend ("gloo", "nccl") or by a map
+    ("cpu:gloo,cuda:nccl")."""
+    if ":" in backend:
+        pairs = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+        return pairs.get(device_type)
+    if backend == "nccl":
+        return backend if device_type == "cuda" else None
+    if backend == "gloo":
+        return backend if device_type in ("cpu", "cuda") else None
+    return backend  # mpi, ucc, vendor backends: their own checks apply
+
+
+def default_device(backend: str) -> torch.device:
+    """Where a model built on the meta device is materialised: the current CUDA device when
+    the group names a backend for CUDA tensors ("nccl", "cpu:gloo,cuda:nccl", "cuda:gloo")
+    and a GPU exists, else the CPU (plain "gloo" serves both and means CPU training)."""
+    names_cuda = backend != "gloo" and backend_for(backend, "cuda") is not None
+    if names_cuda and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def init_single_process_group(device: torch.device) -> None:
     """A group of one, for a script run without a launcher (no rendezvous needed)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -102,6 +126,10 @@ class _Pending:
 class Communicator:
     """Collectives over one process group (the default group unless one is given).
 
+    Every tensor handed to a collective must be on ``device`` (the engine's compute device):
+    a host tensor in an nccl collective fails only on a GPU, at N >= 2, so the check is made
+    here, on every backend, where a CPU test can see it.
+
     ``timeout`` (seconds) bounds every wait under gloo, whose own default is 30 minutes and
     cannot be changed for a group someone else created. Under nccl a bounded ``wait`` would
     block the host until the GPU finishes (no more overlap), so there the process group's own
@@ -123,12 +151,32 @@ class Communicator:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
+        self.device = default_device(self.backend)
         self.timeout_s = timeout
         self._wait_timeout = (timedelta(seconds=timeout)
                               if timeout is not None and self.backend == "gloo" else None)
         self._step = step
         self.bytes_sent: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
+
+    def use_device(self, device: torch.device) -> None:
+        """Communicate tensors on ``device`` (the compute device); refuses a device the
+        group's backend has no communicator for."""
+        if backend_for(self.backend, device.type) is None:
+            raise ValueError(
+                f"the process group's backend {self.backend!r} cannot communicate {device.type} "
+                f"tensors, but the model is on {device}: move the model to a device the backend "
+                "serves (nccl: cuda), or create the group with a backend for it (gloo for CPU, "
+                "or 'cpu:gloo,cuda:nccl')")
+        self.device = device
+
+    def _check(self, op: str, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            if t.device.type != self.device.type:
+                raise ValueError(
+                    f"collective {op}: a tensor on {t.device} was handed to a group that "
+                    f"communicates on {self.device} ({self.backend}); copy it to {self.device} "
+                    "first (host-side values such as an offloaded gradient norm included)")
 
     def _count(self, op: str, nbytes: float) -> None:
         self.bytes_sent[op] += int(nbytes)
@@ -174,11 +222,13 @@ class Communicator:
     # ---------------------------------------------------------------- collectives
     def all_reduce(self, tensor: torch.Tensor, *, async_op: bool = False) -> Handle:
         """Sum in place over ranks."""
+        self._check("all_reduce", tensor)
         self._count("all_reduce", 2 * tensor.nbytes * self._fraction())
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
         return self._finish(work, "all_reduce", async_op)
 
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._check("all_reduce(max)", tensor)
         self._count("all_reduce", 2 * tensor.nbytes * self._fraction())
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         self.wait(work, "all_reduce(max)")
@@ -188,6 +238,7 @@ class Communicator:
         self, output: torch.Tensor, flat_input: torch.Tensor, *, async_op: bool = False
     ) -> Handle:
         """Sum ``flat_input`` over ranks; rank r receives the r-th equal slice in ``output``."""
+        self._check("reduce_scatter", output, flat_input)
         self._count("reduce_scatter", flat_input.nbytes * self._fraction())
         group = self.group if self.group is not None else dist.group.WORLD
         if self._wait_timeout is not None and hasattr(group, "_reduce_scatter_base"):
@@ -204,12 +255,14 @@ class Communicator:
         self, flat_output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False
     ) -> Handle:
         """Concatenate every rank's ``shard`` into ``flat_output`` (rank order)."""
+        self._check("all_gather", flat_output, shard)
         self._count("all_gather", flat_output.nbytes * self._fraction())
         work = _all_gather(flat_output, shard, group=self.group, async_op=True)
         return self._finish(work, "all_gather", async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Rank ``src`` of this group sends ``tensor`` to every rank, in place."""
+        self._check("broadcast", tensor)
         self._count("broadcast", tensor.nbytes)
         work = dist.broadcast(tensor, group=self.group, async_op=True,
                               src=dist.get_global_rank(self.group, src) if self.group else src)
@@ -228,10 +281,10 @@ class Communicator:
                 t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
-    def all_gather_ints(self, value: int, device: torch.device) -> list[int]:
+    def all_gather_ints(self, value: int) -> list[int]:
         """Every rank's ``value`` (a blocking round trip of 8 bytes per rank)."""
-        mine = torch.tensor([value], dtype=torch.int64, device=device)
-        out = torch.empty(self.world_size, dtype=torch.int64, device=device)
+        mine = torch.tensor([value], dtype=torch.int64, device=self.device)
+        out = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
         self.all_gather(out, mine)
         return out.tolist()
 
@@ -240,8 +293,7 @@ class Communicator:
         as with ``torch.distributed.all_gather_object``; not counted in ``bytes_sent``."""
         if self.world_size == 1:
             return [pickle.loads(pickle.dumps(obj))]
-        device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
-                  else torch.device("cpu"))
+        device = self.device
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
         sizes = torch.empty(self.world_size, dtype=torch.int64, device=device)

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from . import checkpoint, reshard
+from . import checkpoint, offload, reshard
 from .access import ParamAccess
-from .collectives import Communicator
+from .collectives import Communicator, default_device
 from .config import ZeroConfig
 from .hooks import HookSet, ModulePatches
 from .materialize import InitFn, Materializer, has_meta
@@ -53,7 +53,8 @@ class ZeroEngine:
                                  step=lambda: self.global_step)
         self.module = model
         self.device = _single_device(model, device, self.comm.backend)
-        _check_backend(self.comm.backend, self.device)
+        self.comm.use_device(self.device)
+        _use_cuda_device(self.device)
         materializer = Materializer(model, self.device, param_init_fn) if has_meta(model) else None
         self.plan = make_plan(self.config, self.comm.world_size)
         managed, group_of = _managed_parameters(model, optimizer)
@@ -63,7 +64,8 @@ class ZeroEngine:
         self._original_dtypes = {id(p): p.dtype for _, p in managed}
         self.user_optimizer = optimizer
         self._optimizer_signature = _signature(optimizer)
-        self.units = build_units(model, managed, group_of, self.plan, self.comm, self.device,
+        self.transfers = offload.Transfers.for_device(self.device)
+        self.units = build_units(model, managed, group_of, self.plan, self.comm, self.transfers,
                                  materializer)
         if materializer is not None:
             materializer.finish()
@@ -277,7 +279,7 @@ class ZeroEngine:
             raise RuntimeError(f"parameters {stale[:5]} added to the optimizer already hold a "
                                ".grad from before; set it to None first (optimizer.zero_grad())")
         self.runtime.reshard_all()
-        units = build_units(self.module, new, group_of, self.plan, self.comm, self.device,
+        units = build_units(self.module, new, group_of, self.plan, self.comm, self.transfers,
                             first_index=len(self.units))
         self.units.extend(units)
         for name, p in new:
@@ -483,17 +485,16 @@ def _single_device(model: nn.Module, wanted: torch.device | str | None,
         return next(iter(devices))
     if not any(True for _ in model.parameters()):
         raise ValueError("the model has no parameters or buffers: nothing to train")
-    if backend == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return default_device(backend)
 
 
-def _check_backend(backend: str, device: torch.device) -> None:
-    if backend == "nccl" and device.type != "cuda":
-        raise ValueError(
-            f"the process group uses nccl but the model is on {device}: move the model to "
-            "cuda, or use the gloo backend for CPU training"
-        )
+def _use_cuda_device(device: torch.device) -> None:
+    """Make the model's GPU the current one: nccl's object collectives and barriers, pinned
+    allocations and new streams all use the current device, and a user who moved the model
+    to cuda:r without ``torch.cuda.set_device(r)`` would otherwise put every rank's on cuda:0."""
+    if device.type == "cuda" and device.index is not None \
+            and torch.cuda.current_device() != device.index:
+        torch.cuda.set_device(device)
 
 
 def _managed_parameters(

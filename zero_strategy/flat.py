@@ -44,6 +44,9 @@ class Piece:
 class FlatLayout:
     slots: tuple[Slot, ...]
     num_shards: int
+    shard_align: int = 1
+    """Shard sizes are a multiple of this many elements (``ALIGN_ELEMENTS`` for new layouts;
+    1 for layouts read from checkpoints older than format 3)."""
 
     @property
     def numel(self) -> int:
@@ -51,8 +54,9 @@ class FlatLayout:
 
     @property
     def shard_numel(self) -> int:
-        # Padding to a multiple of the shard count keeps every collective equal-sized.
-        return max(1, -(-self.numel // self.num_shards))
+        # Padding to a multiple of the shard count keeps every collective equal-sized; to a
+        # multiple of the alignment, every rank's shard starts on an aligned boundary too.
+        return shard_numel_for(self.numel, self.num_shards, self.shard_align)
 
     @property
     def padded_numel(self) -> int:
@@ -73,14 +77,21 @@ class FlatLayout:
         return out
 
 
-# Every parameter starts on a 64-byte boundary (fp32; 32 bytes in 16-bit): kernels take the
-# same vectorised paths as on a standalone tensor, so results match an unsharded model's
-# bit for bit where the math allows, and GPU loads stay aligned.
+# Every parameter and every rank's shard starts on a 64-byte boundary (fp32; 32 bytes in
+# 16-bit): kernels take the same vectorised paths as on a standalone tensor, so results match
+# an unsharded model's bit for bit where the math allows, and GPU loads, fused optimizers and
+# nccl buffers stay aligned on every rank, not only rank 0.
 ALIGN_ELEMENTS = 16
 
 
+def shard_numel_for(numel: int, num_shards: int, align: int) -> int:
+    per_rank = max(1, -(-numel // num_shards))
+    return -(-per_rank // align) * align
+
+
 def make_layout(
-    entries: list[tuple[str, torch.Size, int]], num_shards: int
+    entries: list[tuple[str, torch.Size, int]], num_shards: int,
+    shard_align: int = ALIGN_ELEMENTS,
 ) -> FlatLayout:
     """Lay out ``(name, shape, group)`` entries, grouped by optimizer group (stable order)."""
     if num_shards < 1:
@@ -95,4 +106,4 @@ def make_layout(
         offset = -(-offset // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
         slots.append(Slot(name, tuple(int(d) for d in shape), offset, numel, group))
         offset += numel
-    return FlatLayout(tuple(slots), num_shards)
+    return FlatLayout(tuple(slots), num_shards, shard_align)

@@ -2,7 +2,9 @@
 
 The plan picks the class once; the backward pass only ever calls ``accumulate``,
 ``launch_reduce``, ``finish_reduce`` and ``zero``, so no hot path asks which stage it is in.
-All reductions sum over ranks and divide by the world size afterwards.
+Every reduction divides the local gradient by the world size before summing over ranks (as
+DDP does): summed first, an fp16 gradient at a loss scale of 2**16 overflows on 8 ranks
+(``reduce_dtype="compute"``), and dividing by a power of two is exact, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ class GradStore(ABC):
 
     @abstractmethod
     def finish_reduce(self, world_size: int) -> None:
-        """Wait for the reduction and leave the averaged result in ``grad_shard``."""
+        """Wait for the reduction and leave the averaged result in ``grad_shard``
+        (``world_size``: what the average was taken over)."""
 
     @abstractmethod
     def zero(self) -> None:
@@ -72,13 +75,13 @@ class AllReducedGrads(GradStore):
         self._local_view(self.buffer, index).add_(grad)
 
     def launch_reduce(self, comm: Communicator) -> None:
+        # An averaged gradient is identical on every rank, so a second backward before the
+        # step (without no_sync) still averages to the right sum, as with DDP.
+        self.buffer.div_(comm.world_size)
         self._pending = (comm.all_reduce(self.buffer, async_op=True), None)
 
     def finish_reduce(self, world_size: int) -> None:
-        # An averaged gradient is identical on every rank, so a second backward before the
-        # step (without no_sync) still averages to the right sum, as with DDP.
         self.wait()
-        self.buffer.div_(world_size)
 
     def zero(self) -> None:
         self.buffer.zero_()
@@ -111,13 +114,14 @@ class ScatteredFullGrads(GradStore):
 
     def launch_reduce(self, comm: Communicator) -> None:
         out = torch.empty_like(self.grad_shard)
+        self.buffer.div_(comm.world_size)
         self._pending = (comm.reduce_scatter(out, self.buffer, async_op=True), out)
 
     def finish_reduce(self, world_size: int) -> None:
         reduced = self.wait()
         assert reduced is not None
         self.buffer.zero_()
-        self.grad_shard.copy_(reduced).div_(world_size)
+        self.grad_shard.copy_(reduced)
         self._holds_average = True
         self._world_size = world_size
 
@@ -155,12 +159,13 @@ class ShardedGrads(GradStore):
         if self.local is None:  # nothing reached this unit on this rank: contribute zeros
             self.local = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
         out = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+        self.local.div_(comm.world_size)
         self._pending = (comm.reduce_scatter(out, self.local, async_op=True), out)
 
     def finish_reduce(self, world_size: int) -> None:
         reduced = self.wait()
         assert reduced is not None
-        self.grad_shard.add_(reduced.div_(world_size))
+        self.grad_shard.add_(reduced)
         self.local = None
 
     def zero(self) -> None:

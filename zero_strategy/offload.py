@@ -1,28 +1,101 @@
-"""Host-memory placement for offloaded state: pinned buffers and asynchronous copies.
+"""Host-memory placement for offloaded state: pinned buffers and the copies to and from them.
 
-On a CPU-only run the host *is* the device, yet offloaded state still goes through these
-functions (separate buffers, explicit copies), so the CPU test suite exercises the same path a
-GPU run takes.
+Every copy between an offloaded (host) buffer and the compute device goes through one
+``Transfers`` object per engine and returns a ``Copy``. On CUDA the copy is asynchronous, on a
+side stream, so it overlaps compute; whoever reads its destination or overwrites its source
+first waits on the ``Copy``:
+
+- ``wait_host()`` before the host reads a buffer a device->host copy writes (the CPU optimizer
+  step reading offloaded gradients) or writes a buffer a host->device copy still reads (the
+  CPU step updating the master an earlier copy propagates);
+- ``wait_device()`` before the compute stream uses a buffer a host->device copy writes (the
+  staged shard an all-gather sends).
+
+On a CPU-only run the host *is* the device and the copy completes at once, yet offloaded state
+still goes through these calls, so the CPU suite exercises the same path a GPU run takes; a
+test substitutes ``Transfers`` that delay every copy until it is waited on, which turns a
+missing wait into a wrong result on the CPU.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 
-def host_empty(numel: int, dtype: torch.dtype, compute_device: torch.device) -> torch.Tensor:
-    """A host buffer; pinned when the compute device is CUDA so copies can be asynchronous."""
-    pin = compute_device.type == "cuda" and torch.cuda.is_available()
-    return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin)
+class Copy(Protocol):
+    def wait_host(self) -> None: ...
+
+    def wait_device(self) -> None: ...
 
 
-def copy_to(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """dst <- src (cast and move); non-blocking when either side is pinned host memory."""
-    non_blocking = dst.device.type != src.device.type and (dst.is_pinned() or src.is_pinned())
-    return dst.copy_(src, non_blocking=non_blocking)
+class _Done:
+    """A copy that completed when it was issued."""
+
+    def wait_host(self) -> None:
+        return None
+
+    def wait_device(self) -> None:
+        return None
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for non-blocking host<->device copies before the host reads what they wrote."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+DONE: Copy = _Done()
+
+
+class _CudaCopy:
+    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
+        self.event, self.device = event, device
+
+    def wait_host(self) -> None:
+        self.event.synchronize()
+
+    def wait_device(self) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+
+
+class Transfers:
+    """Host buffers and host<->device copies for one compute device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._cuda = device.type == "cuda" and torch.cuda.is_available()
+        self._stream = torch.cuda.Stream(device) if self._cuda else None
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> Transfers:
+        return cls(device)
+
+    @property
+    def host_is_separate(self) -> bool:
+        """Whether host buffers are memory apart from the compute device's: when not (a CPU
+        run), an offloaded gradient shard is used where it is instead of copied."""
+        return self.device.type != "cpu"
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer; pinned when the compute device is CUDA so copies can be asynchronous."""
+        return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=self._cuda)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Copy:
+        """dst <- src (cast and move). Across host and GPU the copy runs on the side stream
+        after everything the compute stream issued so far (which produced ``src`` or last
+        used ``dst``); callers wait on the returned ``Copy`` as the module docstring says."""
+        crosses = dst.device.type != src.device.type
+        if self._stream is None or not crosses:
+            dst.copy_(src)
+            return DONE
+        compute = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(compute)
+        with torch.cuda.stream(self._stream):
+            dst.copy_(src, non_blocking=True)
+        for t in (dst, src):  # the caching allocator must not reuse them before the copy ran
+            if t.is_cuda:
+                t.record_stream(self._stream)
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return _CudaCopy(event, self.device)
+
+    def copy_now(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """dst <- src, complete on return (for rare paths: loading, user edits)."""
+        self.copy(dst, src).wait_host()
+        return dst

@@ -152,6 +152,8 @@ class ShardedOptimizer:
 
     def step(self) -> None:
         self._sync_hyperparameters()
+        for unit in self.units:  # the host is about to write masters copies may still read
+            unit.param_store.settle()
         self._attach_grads()
         with record_function("zero::optimizer_step"):
             self.inner.step()
@@ -162,28 +164,18 @@ class ShardedOptimizer:
         return [unit.master_grad for unit in self.units]
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """Norm of the whole (reduced) gradient, from the shards every rank holds."""
-        norm_type = float(norm_type)
-        grads = self.master_grads()
-        device = grads[0].device if grads else torch.device("cpu")
-        if math.isinf(norm_type):
-            local = torch.stack([g.abs().max() for g in grads if g.numel()] or
-                                [torch.zeros((), device=device)]).max().float()
-            if self.shards > 1:
-                self.comm.all_reduce_max(local)
-            return local
-        local = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            local += torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type
-        if self.shards > 1:
-            self.comm.all_reduce(local)
-        return local ** (1.0 / norm_type)
+        """Norm of the whole (reduced) gradient, from the shards every rank holds; on the
+        communication device (offloaded shards are summed on the host, then moved)."""
+        return global_norm(self.master_grads(), float(norm_type), self.comm, self.shards > 1)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         total = self.grad_norm(norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        on: dict[torch.device, torch.Tensor] = {}  # one copy per device, not one per unit
         for g in self.master_grads():
-            g.mul_(coef.to(g.device, g.dtype))
+            if g.device not in on:
+                on[g.device] = coef.to(g.device)
+            g.mul_(on[g.device].to(g.dtype))
         return total
 
     def states_per_param(self) -> int:
@@ -203,3 +195,25 @@ class ShardedOptimizer:
     def state_tensors(self) -> list[torch.Tensor]:
         return [t for s in self.inner.state.values() for t in s.values()
                 if isinstance(t, torch.Tensor)]
+
+
+def global_norm(grads: list[torch.Tensor], norm_type: float, comm: Communicator,
+                sharded: bool) -> torch.Tensor:
+    """The ``norm_type`` norm over every rank's ``grads`` (disjoint shards when ``sharded``),
+    as an fp32 scalar on ``comm.device``."""
+    grads = [g for g in grads if g.numel()]
+    device = grads[0].device if grads else comm.device
+    if math.isinf(norm_type):
+        local = torch.stack([g.abs().max().float() for g in grads]
+                            or [torch.zeros((), device=device)]).max()
+        local = local.to(comm.device)
+        if sharded:
+            comm.all_reduce_max(local)
+        return local
+    local = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        local += torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type
+    local = local.to(comm.device)
+    if sharded:
+        comm.all_reduce(local)
+    return local ** (1.0 / norm_type)

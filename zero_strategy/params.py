@@ -39,21 +39,24 @@ class ParamState(enum.Enum):
 
 
 class Placement:
-    """Where the master shard and (stage 3) the at-rest parameter shard live."""
+    """Where the master shard and (stage 3) the at-rest parameter shard live, and the
+    transfers that move offloaded ones."""
 
-    def __init__(self, device: torch.device, offload_optimizer: bool, offload_params: bool):
+    def __init__(self, device: torch.device, offload_optimizer: bool, offload_params: bool,
+                 transfers: offload.Transfers):
         self.device = device
         self.offload_optimizer = offload_optimizer
         self.offload_params = offload_params
+        self.transfers = transfers
 
     def master_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if self.offload_optimizer:
-            return offload.host_empty(numel, dtype, self.device)
+            return self.transfers.host_empty(numel, dtype)
         return torch.empty(numel, dtype=dtype, device=self.device)
 
     def shard_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if self.offload_params:
-            return offload.host_empty(numel, dtype, self.device)
+            return self.transfers.host_empty(numel, dtype)
         return torch.empty(numel, dtype=dtype, device=self.device)
 
 
@@ -84,11 +87,24 @@ class ParamStore(ABC):
     gathers: bool
     """True when the compute copy must be gathered before the module runs (forward hooks)."""
 
-    def __init__(self, layout: FlatLayout, rank: int, policy: PrecisionPolicy):
+    def __init__(self, layout: FlatLayout, rank: int, policy: PrecisionPolicy,
+                 placement: Placement):
         self.layout = layout
         self.rank = rank
         self.policy = policy
+        self.placement = placement
+        self.transfers = placement.transfers
         self.bounds = layout.shard_bounds(rank)
+        self._reading_host: offload.Copy | None = None
+        """The newest copy reading this store's host buffers (the master, an offloaded
+        shard); copies run in issue order, so earlier ones are done when it is."""
+
+    def settle(self) -> None:
+        """Block until no copy still reads this store's host buffers: run before the host
+        writes them (the CPU optimizer step, loading, user edits)."""
+        if self._reading_host is not None:
+            self._reading_host.wait_host()
+            self._reading_host = None
 
     @property
     @abstractmethod
@@ -140,8 +156,8 @@ class ParamStore(ABC):
         own = edited[lo:hi]
         master = self.master.to(own.device)
         changed = own != master.to(own.dtype)
-        offload.copy_to(self.master, torch.where(changed, own.to(master.dtype), master))
-        offload.synchronize(own.device)
+        self.settle()
+        self.transfers.copy_now(self.master, torch.where(changed, own.to(master.dtype), master))
 
     def shares_storage(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` aliases compute-copy memory this store may give back."""
@@ -152,6 +168,7 @@ class ParamStore(ABC):
         lo, hi = self.bounds
         start, end = max(lo, slot.offset), min(hi, slot.end)
         if start < end:
+            self.settle()
             flat = value.reshape(-1)[start - slot.offset : end - slot.offset]
             self.master[start - lo : end - lo].copy_(flat.to(self.master.dtype))
 
@@ -179,7 +196,7 @@ class ReplicatedParams(ParamStore):
         self, params: list[nn.Parameter], layout: FlatLayout, rank: int,
         policy: PrecisionPolicy, placement: Placement, comm: Communicator,
     ) -> None:
-        super().__init__(layout, rank, policy)
+        super().__init__(layout, rank, policy, placement)
         flat = _initial_flat(params, layout, policy.master_dtype, placement.device, comm)
         lo, hi = self.bounds
         self.master_is_view = not (policy.separate_master or placement.offload_optimizer)
@@ -231,8 +248,9 @@ class ReplicatedParams(ParamStore):
         lo, hi = self.bounds
         own = self.full[lo:hi]
         if not self.master_is_view:
-            offload.copy_to(own, self.master)
-            offload.synchronize(own.device)
+            pending = self.transfers.copy(own, self.master)
+            pending.wait_device()  # the all-gather (and forward) read ``own``
+            self._reading_host = pending
         if self.layout.num_shards == 1:
             return None
         return comm.all_gather(self.full, own, async_op=True)
@@ -250,8 +268,7 @@ class ShardedParams(ParamStore):
         self, params: list[nn.Parameter], layout: FlatLayout, rank: int,
         policy: PrecisionPolicy, placement: Placement, comm: Communicator,
     ) -> None:
-        super().__init__(layout, rank, policy)
-        self.placement = placement
+        super().__init__(layout, rank, policy, placement)
         flat = _initial_flat(params, layout, policy.master_dtype, placement.device, comm)
         lo, hi = self.bounds
         self.shard = placement.shard_empty(layout.shard_numel, policy.compute_dtype)
@@ -287,7 +304,10 @@ class ShardedParams(ParamStore):
             return self.shard
         # Offloaded shards are staged on the compute device just for the gather.
         staged = torch.empty(self.shard.numel(), dtype=self.shard.dtype, device=self.full.device)
-        return offload.copy_to(staged, self.shard)
+        pending = self.transfers.copy(staged, self.shard)
+        pending.wait_device()  # the all-gather sends ``staged``
+        self._reading_host = pending
+        return staged
 
     def start_unshard(self, comm: Communicator) -> None:
         if self._state is not ParamState.SHARDED:
@@ -326,9 +346,9 @@ class ShardedParams(ParamStore):
         lo, hi = self.bounds
         start, end = max(lo, slot.offset), min(hi, slot.end)
         if start < end and self.shard is not self.master:
+            self.settle()
             flat = value.reshape(-1)[start - slot.offset : end - slot.offset]
-            offload.copy_to(self.shard[start - lo : end - lo], flat.to(self.shard.dtype))
-            offload.synchronize(self.full.device)
+            self.transfers.copy_now(self.shard[start - lo : end - lo], flat.to(self.shard.dtype))
         if self._state is ParamState.UNSHARDED:
             self.full[slot.offset : slot.end].copy_(value.reshape(-1))
 
@@ -338,8 +358,8 @@ class ShardedParams(ParamStore):
         lo, hi = self.bounds
         if self.shard is not self.master:
             self._merge_into_master(self.full)
-        offload.copy_to(self.shard, self.full[lo:hi])
-        offload.synchronize(self.full.device)
+        self.settle()
+        self.transfers.copy_now(self.shard, self.full[lo:hi])
 
     def was_edited(self) -> bool:
         if self._state is not ParamState.UNSHARDED:
@@ -353,8 +373,10 @@ class ShardedParams(ParamStore):
 
     def after_step(self, comm: Communicator) -> Handle | None:
         if self.master is not self.shard:
-            offload.copy_to(self.shard, self.master)
-            offload.synchronize(self.full.device)
+            self.settle()  # an offloaded shard may still be read by a staging copy
+            pending = self.transfers.copy(self.shard, self.master)
+            pending.wait_device()  # the next gather reads ``shard``
+            self._reading_host = pending
         return None
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:

@@ -391,6 +391,8 @@ def _commit(engine: ZeroEngine, staged: _Staged, load_optimizer: bool) -> None:
     manifest = staged.reader.manifest
     engine.runtime.reshard_all()
     engine.zero_grad()
+    for unit in engine.units:
+        unit.param_store.settle()
     with torch.no_grad():
         for master, start, values in staged.masters:
             master[start : start + values.numel()].copy_(values)

@@ -71,7 +71,7 @@ class Runtime:
             store.start_unshard(self.comm)
 
     def _agree_on(self, unit: Unit) -> None:
-        tags = self.comm.all_gather_ints(unit.index, unit.grad_store.device)
+        tags = self.comm.all_gather_ints(unit.index)
         if any(t != unit.index for t in tags):
             names = ", ".join(f"rank {r}: unit {t} {self.units[t].name or '<root>'!r}"
                               for r, t in enumerate(tags))
@@ -204,6 +204,8 @@ class Runtime:
             for unit in self._launched:
                 self._finish(unit)
             self._launched = []
+            for unit in self.units:
+                unit.fence_grad_copy()
             if self.sync:
                 self._agree_on_used()
             self.reshard_all()

@@ -17,7 +17,7 @@ from .collectives import Communicator
 from .flat import FlatLayout, make_layout
 from .grads import GRAD_STORES, GradStore
 from .materialize import Materializer
-from .offload import copy_to, host_empty
+from .offload import Copy, Transfers
 from .params import PARAM_STORES, ParamStore, Placement
 from .plan import UnitKind, ZeroPlan
 
@@ -59,6 +59,8 @@ class Unit:
         optimizer updates it (a parameter no rank used is skipped, as torch and DDP do)."""
         self._master_grad: torch.Tensor | None = None
         self._master_grad_buffer: torch.Tensor | None = None
+        self._grad_copy: Copy | None = None
+        """The copy writing an offloaded ``master_grad``, until the host waited for it."""
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, {self.name or '<root>'!r}, numel={self.layout.numel})"
@@ -68,22 +70,42 @@ class Unit:
         """The reduced gradient of this rank's shard, in the master's dtype and place."""
         if self._master_grad is None:
             self.prepare_master_grad()
+        if self._grad_copy is not None:  # every host read of the gradient passes here
+            self._grad_copy.wait_host()
+            self._grad_copy = None
         assert self._master_grad is not None
         return self._master_grad
 
     def prepare_master_grad(self) -> None:
+        """Start bringing the reduced shard into the master's dtype and place (a copy that
+        overlaps the rest of backward when the master is offloaded)."""
         grad, master = self.grad_store.grad_shard, self.param_store.master
-        if grad.dtype == master.dtype and grad.device == master.device:
+        copies = self.offload_optimizer and self.transfers.host_is_separate
+        if grad.dtype == master.dtype and grad.device == master.device and not copies:
             self._master_grad = grad
             return
         if self._master_grad_buffer is None:
             if self.offload_optimizer:  # kept: pinned host memory is costly to allocate
-                self._master_grad_buffer = host_empty(grad.numel(), master.dtype, grad.device)
+                self._master_grad_buffer = self.transfers.host_empty(grad.numel(), master.dtype)
             else:
                 self._master_grad_buffer = torch.empty_like(master)
-        self._master_grad = copy_to(self._master_grad_buffer, grad)
+        self._grad_copy = self.transfers.copy(self._master_grad_buffer, grad)
+        self._master_grad = self._master_grad_buffer
+
+    def fence_grad_copy(self) -> None:
+        """Make the compute stream wait for the gradient copy: from the end of backward on,
+        compute may change the reduced shard it reads (another backward, zero_grad)."""
+        if self._grad_copy is not None:
+            self._grad_copy.wait_device()
+
+    @property
+    def transfers(self) -> Transfers:
+        return self.param_store.transfers
 
     def zero_grad(self) -> None:
+        if self._grad_copy is not None:  # a pass cut short: the copy may still write
+            self._grad_copy.wait_host()
+            self._grad_copy = None
         self.grad_store.zero()
         self.used = [False] * len(self.params)
         self._master_grad = None
@@ -179,10 +201,11 @@ def plan_specs(model: nn.Module, managed: NamedParams, plan: ZeroPlan) -> list[U
 
 def build_units(
     model: nn.Module, managed: NamedParams, group_of: dict[int, int], plan: ZeroPlan,
-    comm: Communicator, device: torch.device, materializer: Materializer | None = None,
+    comm: Communicator, transfers: Transfers, materializer: Materializer | None = None,
     first_index: int = 0,
 ) -> list[Unit]:
-    placement = Placement(device, plan.offload_optimizer, plan.offload_params)
+    device = transfers.device
+    placement = Placement(device, plan.offload_optimizer, plan.offload_params, transfers)
     policy = plan.policy
     shard_rank = comm.rank if plan.optimizer_shards > 1 else 0
     units = []

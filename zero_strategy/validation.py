@@ -37,12 +37,12 @@ from .checkpoint import (
     MANIFEST,
     MODULE_FILE,
     READABLE_VERSIONS,
-    VERSION,
     CheckpointError,
     old_name,
     shard_file,
 )
 from .config import PRECISIONS
+from .flat import shard_numel_for
 
 ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
              torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
@@ -53,6 +53,8 @@ PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
                 "float64": torch.float64}
 """Dtype names a manifest may give a parameter (its master's dtype)."""
 
+MAX_SHARD_ALIGN = 1 << 12
+"""A larger alignment would only be padding (and a hostile manifest's memory bomb)."""
 MAX_MANIFEST_BYTES = 1 << 28
 MAX_HEADER_BYTES = 100_000_000
 _STATE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -191,7 +193,7 @@ def check_manifest(file: Path, manifest: Any) -> None:
     if manifest.get("format") != FORMAT or manifest.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(
             f"{file}: format {manifest.get('format')!r} version {manifest.get('version')!r}; "
-            f"this zero_strategy reads {FORMAT!r} v{VERSION}")
+            f"this zero_strategy reads {FORMAT!r} versions {list(READABLE_VERSIONS)}")
     _get(file, manifest, "tag", str)
     if _count(file, manifest, "stage") > 3:
         raise _fail(file, "stage", f"must be 0-3, got {manifest['stage']}")
@@ -263,13 +265,29 @@ def _check_units(file: Path, manifest: dict[str, Any], shards: int) -> None:
                             "'params' with this shape, or appears twice")
             seen.add(name)
             end = offset + numel
-        expected = max(1, -(-end // shards))
+        align = _shard_align(file, manifest, unit, where)
+        expected = shard_numel_for(end, shards, align)
         if _count(file, unit, "shard_numel", where) != expected:
             raise _fail(file, f"{where}.shard_numel", f"is {unit['shard_numel']}; "
-                        f"{end} elements over {shards} shard(s) make {expected}")
+                        f"{end} elements over {shards} shard(s) aligned to {align} make "
+                        f"{expected}")
     missing = sorted(set(params) - seen)
     if missing:
         raise _fail(file, "units", f"place no slot for parameters {missing[:3]}")
+
+
+def _shard_align(file: Path, manifest: dict[str, Any], unit: Any, where: str) -> int:
+    """Format 3 records each unit's shard alignment (elements); older formats had none."""
+    if manifest["version"] < 3:
+        if "shard_align" in unit:
+            raise _fail(file, f"{where}.shard_align", "is not part of format "
+                        f"v{manifest['version']} (it was added in v3)")
+        return 1
+    align = _count(file, unit, "shard_align", where, low=1)
+    if align > MAX_SHARD_ALIGN:
+        raise _fail(file, f"{where}.shard_align", f"must be at most {MAX_SHARD_ALIGN}, "
+                    f"got {align}")
+    return align
 
 
 def _slot(file: Path, slot: Any, where: str, previous_end: int) -> str:
@@ -411,12 +429,18 @@ def check_tensors(path: Path, manifest: dict[str, Any],
             continue
         dtype = params[unit["slots"][0][0]]["dtype"]
         keys = sorted({k for s in unit["slots"] for k in states.get(s[0], {}).get("tensors", [])})
+        end = unit["slots"][-1][2] + unit["slots"][-1][3]
         for k in range(unit["num_shards"]):
             header = headers[shard_file(k)]
+            # A shard of nothing but padding (a unit smaller than the ranks' aligned shards)
+            # has no optimizer state to write, and no read ever reaches it.
+            padding_only = k * unit["shard_numel"] >= end
             for key in ["master", *keys]:
                 name = f"u{u}.{key}"
                 entry = header.get(name)
                 where = f"{path / shard_file(k)}: tensor {name!r}"
+                if entry is None and key != "master" and padding_only:
+                    continue
                 if entry is None:
                     raise CheckpointError(f"{where} is missing (the manifest's layout needs it)")
                 if entry["shape"] != [unit["shard_numel"]]:
