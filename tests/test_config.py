@@ -29,6 +29,7 @@ from zero_strategy.config import STAGE3_DEFAULTS
         ({"stage": 2, "offload_params": True}, "offload_params", "stage=3"),
         ({"stage": 0, "offload_optimizer": True}, "offload_optimizer", "stage >= 1"),
         ({"offload_optimizer": "yes"}, "offload_optimizer", "True or False"),
+        ({"overlap_param_gather": 1}, "overlap_param_gather", "True or False"),
         ({"loss_scale": {"initial_scale": 1000.0}, "precision": "16-mixed"},
          "loss_scale.initial_scale", "power of two"),
         ({"loss_scale": {"initial_scale": -2.0}, "precision": "16-mixed"},

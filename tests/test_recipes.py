@@ -136,3 +136,12 @@ def test_killed_worker_restarts_and_ends_with_the_uninterrupted_weights(
     assert resumed["steps"] == reference["steps"] == 6
     assert resumed["weights_sha256"] == reference["weights_sha256"]
     assert resumed["train_loss"] == reference["train_loss"]
+
+
+def test_floor_is_overlapped_communication_or_compute_plus_the_optimizer() -> None:
+    import floor
+
+    parts = {"fwd_bwd": 1.0, "adamw_full": 0.4, "adamw_shard": 0.2, "all_gather": 0.3,
+             "reduce_scatter": 0.5, "all_reduce": 1.5, "params": 10}
+    # stage 0: all-reduce 1.5 > compute; 1-2: RS + AG = 0.8 < compute; 3: 2 AG + RS = 1.1
+    assert floor.floors(parts) == pytest.approx({0: 1.9, 1: 1.2, 2: 1.2, 3: 1.3})

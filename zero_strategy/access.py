@@ -35,28 +35,35 @@ if TYPE_CHECKING:
 
 class ParamAccess:
     def __init__(self, units: list[Unit], runtime: Runtime, comm: Communicator,
-                 names: dict[int, str]) -> None:
+                 names: dict[int, str], overlap: bool) -> None:
+        self.overlap = overlap
         self.units = units
         self.runtime = runtime
         self.comm = comm
         self.names = names
-        self.place: dict[int, tuple[Unit, int]] = {
-            id(p): (unit, i) for unit in units for i, p in enumerate(unit.params)
-        }
-        self.sharded = {pid for pid, (unit, _) in self.place.items() if unit.param_store.gathers}
+        self.place: dict[int, tuple[Unit, int]] = {}
+        self.sharded: set[int] = set()
+        """Parameters whose module attribute may hold a placeholder (stage 3)."""
+        self.watched: set[int] = set()
+        """Parameters a read must wait for: stage 3's, and with ``overlap_param_gather`` the
+        replicated ones the post-step all-gather writes."""
+        self.add_units(units)
 
     def add_units(self, units: list[Unit]) -> None:
         for unit in units:
+            store = unit.param_store
             for i, p in enumerate(unit.params):
                 self.place[id(p)] = (unit, i)
-                if unit.param_store.gathers:
+                if store.gathers:
                     self.sharded.add(id(p))
+                if store.gathers or (self.overlap and store.layout.num_shards > 1):
+                    self.watched.add(id(p))
 
     # ---------------------------------------------------------------- attribute reads
     def unit_to_gather(self, value: object) -> Unit | None:
         """The unit to gather before ``value`` (an attribute just read) can be used, if any.
         Plain Python on the hot path: every module attribute read at stage 3 comes here."""
-        if id(value) not in self.sharded:
+        if id(value) not in self.watched:
             return None
         unit = self.place[id(value)][0]
         return None if unit.param_store.state is ParamState.UNSHARDED else unit
@@ -65,10 +72,17 @@ class ParamAccess:
     def gather(self, unit: Unit) -> None:
         self.runtime.gather_for_access(unit)
 
+    def settle(self) -> None:
+        """Before ``parameters()`` hands out the module's tensors: no gather may still be
+        writing them (stage 3's placeholders stay what they are)."""
+        if self.watched:
+            self.runtime.settle()
+
     # ---------------------------------------------------------------- conversions
     def check_apply(self, module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Refuse, before anything changes, a conversion that would swap a managed
         parameter's tensor (a dtype or device change, ``to_empty``); no-op ones pass."""
+        self.settle()
         keeps: dict[tuple[torch.dtype, torch.device], bool] = {}
         for p in module.parameters():
             if id(p) not in self.place:
@@ -112,6 +126,7 @@ class ParamAccess:
         return handled
 
     def check_save(self, module: nn.Module, keep_vars: bool) -> None:
+        self.settle()
         if keep_vars:
             return
         for p in module._parameters.values():

@@ -94,6 +94,14 @@ class ZeroConfig:
     """Stage 3: before each gather, check with an 8-byte all-gather that every rank gathers
     the same unit, and raise naming both instead of exchanging the wrong shards or hanging
     when ranks run different modules (default True)."""
+    overlap_param_gather: bool = True
+    """Stages 1-2 (and stage 3's persistent parameters): the all-gather of the updated
+    parameters after ``step()`` runs in the background, and each bucket is waited for when
+    something first reads one of its parameters through the module (the next forward, an
+    attribute read, ``parameters()``, ``state_dict()``, the engine's own readers). A tensor
+    taken from the module before ``step()`` and read after it, before such a read, may hold
+    other ranks' old values: take references after ``step()``, or set False to wait in
+    ``step()``."""
     offload_optimizer: bool = False
     """Keep the fp32 master shard and optimizer states in CPU memory and step there (stage >= 1)."""
     offload_params: bool = False
@@ -142,7 +150,7 @@ class ZeroConfig:
                 f"{self.nonfinite_grads!r}): dynamic loss scaling finds its scale by skipping "
                 "the steps that overflow")
         for name in ("offload_optimizer", "offload_params", "broadcast_buffers",
-                     "elementwise_optimizer"):
+                     "elementwise_optimizer", "overlap_param_gather"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("prefetch", "check_gather_order"):

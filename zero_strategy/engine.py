@@ -77,8 +77,9 @@ class ZeroEngine:
                                self.plan.check_gather_order)
         self.hooks = HookSet()
         self.hooks.install(self.units, self.runtime)
-        self.access = ParamAccess(self.units, self.runtime, self.comm, self.param_names)
-        self.patches = ModulePatches(self.access, gathers=self.plan.layout.main.params == "sharded")
+        self.access = ParamAccess(self.units, self.runtime, self.comm, self.param_names,
+                                  self.plan.overlap_param_gather)
+        self.patches = ModulePatches(self.access, watch=bool(self.access.watched))
         self.patches.install(model)
         self.optimizer_patch = UserOptimizerPatch(
             optimizer, self.optimizer_state_dict, self.load_optimizer_state_dict)
@@ -206,6 +207,7 @@ class ZeroEngine:
         self._check_open("step")
         self._require_reduced_grads("step")
         self._refuse_stray_grads()
+        self.runtime.settle()  # fp32 masters are views of compute copies a gather may write
         self._unscale()
         nonfinite = self._nonfinite()
         if self.scaler is not None:
@@ -216,9 +218,9 @@ class ZeroEngine:
             self._report_nonfinite()
         else:
             self.optimizer.step()
-            self.refresh_compute_copies()
             self.global_step += 1
             self.zero_grad()
+            self.refresh_compute_copies()
         # torch's LR schedulers warn unless the optimizer they wrap was stepped; the engine
         # steps its inner copy (or skips), so record the call on the user's object.
         self.user_optimizer._opt_called = True  # type: ignore[attr-defined]
@@ -235,13 +237,15 @@ class ZeroEngine:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def refresh_compute_copies(self) -> None:
-        """Propagate every unit's master shard into the copy forward reads (all-gathers
-        launched together, then waited)."""
+        """Propagate every unit's master shard into the copy forward reads: all-gathers
+        launched in forward order (buckets hold parameters in reverse registration order),
+        waited for here only without ``overlap_param_gather``; otherwise by the first read
+        of each bucket (``ParamAccess``) or ``runtime.settle()``."""
         with record_function("zero::update_params"):
-            handles = [u.param_store.after_step(self.comm) for u in self.units]
-            for handle in handles:
-                if handle is not None:
-                    handle.wait()
+            for unit in reversed(self.units):
+                unit.param_store.after_step(self.comm)
+            if not self.plan.overlap_param_gather:
+                self.runtime.settle()
 
     def unmanaged_state(self) -> dict[str, torch.Tensor]:
         """The module's buffers and frozen parameters, by state_dict key (kept whole)."""
@@ -278,6 +282,7 @@ class ZeroEngine:
         if stale:
             raise RuntimeError(f"parameters {stale[:5]} added to the optimizer already hold a "
                                ".grad from before; set it to None first (optimizer.zero_grad())")
+        self.runtime.settle()
         self.runtime.reshard_all()
         units = build_units(self.module, new, group_of, self.plan, self.comm, self.transfers,
                             first_index=len(self.units))
@@ -347,6 +352,7 @@ class ZeroEngine:
         if problems:
             raise RuntimeError("engine.load_state_dict: nothing was loaded: "
                                + "; ".join(problems[:10]))
+        self.runtime.settle()
         self.runtime.reshard_all()
         return self.module.load_state_dict(state_dict, strict=strict)
 
@@ -356,6 +362,7 @@ class ZeroEngine:
         A collective: call it on every rank."""
         if self._closed:
             return self.module
+        self.runtime.settle()
         self.runtime.reshard_all()
         with torch.no_grad():
             for unit in self.units:
@@ -390,6 +397,7 @@ class ZeroEngine:
         """The consolidated module state dict on every rank: same keys and shapes as
         ``model.state_dict()``, managed parameters as their master (fp32) values, on CPU."""
         values: dict[int, torch.Tensor] = {}
+        self.runtime.settle()
         for unit in self.units:
             flat = unit.param_store.gather_master(self.comm).cpu()
             for slot, p in zip(unit.layout.slots, unit.params):
@@ -405,6 +413,7 @@ class ZeroEngine:
     def save_checkpoint(self, directory: str | os.PathLike, *, tag: str | None = None,
                         client_state: dict[str, Any] | None = None) -> Path:
         """Every rank writes its own shards of a new tag under ``directory`` (atomically)."""
+        self.runtime.settle()
         with record_function("zero::save_checkpoint"):
             return checkpoint.save(self, directory, tag=tag, client_state=client_state)
 

@@ -74,9 +74,9 @@ class HookSet:
 class ModulePatches:
     """Swaps each module's class for a subclass that consults ``ParamAccess``."""
 
-    def __init__(self, access: ParamAccess, gathers: bool) -> None:
+    def __init__(self, access: ParamAccess, watch: bool) -> None:
         self.access = access
-        self.gathers = gathers
+        self.watch = watch
         self._classes: dict[type, type] = {}
         self._swapped: list[tuple[torch.nn.Module, type]] = []
 
@@ -84,7 +84,7 @@ class ModulePatches:
         for module in model.modules():
             original = type(module)
             if original not in self._classes:
-                self._classes[original] = _patched_class(original, self.access, self.gathers)
+                self._classes[original] = _patched_class(original, self.access, self.watch)
             module.__class__ = self._classes[original]
             self._swapped.append((module, original))
 
@@ -94,7 +94,7 @@ class ModulePatches:
         self._swapped.clear()
 
 
-def _patched_class(cls: type, access: ParamAccess, gathers: bool) -> type:
+def _patched_class(cls: type, access: ParamAccess, watch: bool) -> type:
     def _apply(self: Any, fn: Any, recurse: bool = True) -> Any:
         access.check_apply(self, fn)
         return super(patched, self)._apply(fn, recurse)
@@ -119,13 +119,18 @@ def _patched_class(cls: type, access: ParamAccess, gathers: bool) -> type:
             access.gather(unit)
         return value
 
+    def named_parameters(self: Any, *args: Any, **kwargs: Any) -> Any:
+        access.settle()  # also what parameters() returns
+        return super(patched, self).named_parameters(*args, **kwargs)
+
     body: dict[str, Any] = {
         "_apply": _apply, "_load_from_state_dict": _load_from_state_dict,
         "_save_to_state_dict": _save_to_state_dict,
         "__module__": cls.__module__, "__qualname__": cls.__qualname__,
     }
-    if gathers:  # only stage 3 has parameters to gather on read
+    if watch:  # parameters that may be gathering: stage 3, or stages 1-2 after a step
         body["__getattr__"] = __getattr__
+        body["named_parameters"] = named_parameters
     patched = type(cls.__name__, (cls,), body)
     return patched
 

@@ -124,8 +124,9 @@ class ParamStore(ABC):
         """Give back the memory of the whole compute copy where the layout allows it."""
 
     @abstractmethod
-    def after_step(self, comm: Communicator) -> Handle | None:
-        """Propagate the updated master shard into the compute copy."""
+    def after_step(self, comm: Communicator) -> None:
+        """Start propagating the updated master shard into the compute copy (a store left
+        GATHERING is complete after ``finish_unshard``)."""
 
     @abstractmethod
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -184,7 +185,9 @@ class ParamStore(ABC):
 
 
 class ReplicatedParams(ParamStore):
-    """Stages 0-2 (and stage 3's small persistent parameters): the compute copy is always whole.
+    """Stages 0-2 (and stage 3's small persistent parameters): the compute copy is always
+    allocated. After a step it is GATHERING while the all-gather of every rank's updated
+    slice runs in the background, UNSHARDED once ``finish_unshard`` waited for it.
 
     Without a separate master (fp32, no offload) the optimizer updates a view of this rank's
     slice of the compute buffer itself, so no second copy of the parameters exists.
@@ -208,21 +211,27 @@ class ReplicatedParams(ParamStore):
             self.master.copy_(flat[lo:hi])
             self.full = flat.to(policy.compute_dtype)
         _point_params_at(params, layout, self.full)
+        self._state = ParamState.UNSHARDED
+        self._handle: Handle | None = None
 
     @property
     def state(self) -> ParamState:
-        return ParamState.UNSHARDED
+        return self._state
 
     def start_unshard(self, comm: Communicator) -> None:
         return None
 
     def finish_unshard(self) -> None:
-        return None
+        if self._handle is not None:
+            self._handle.wait()
+            self._handle = None
+        self._state = ParamState.UNSHARDED
 
     def reshard(self) -> None:
         return None
 
     def write_param(self, index: int, value: torch.Tensor) -> None:
+        self.finish_unshard()  # else the gather in flight would overwrite the value
         slot = self.layout.slots[index]
         if not self.master_is_view:
             self._write_master(index, value)
@@ -240,20 +249,20 @@ class ReplicatedParams(ParamStore):
         return bool((own != self.master.to(own.device, own.dtype)).any())
 
     def discard_compute_edits(self, comm: Communicator) -> None:
-        handle = self.after_step(comm)
-        if handle is not None:
-            handle.wait()
+        self.after_step(comm)
+        self.finish_unshard()
 
-    def after_step(self, comm: Communicator) -> Handle | None:
+    def after_step(self, comm: Communicator) -> None:
+        self.finish_unshard()  # a gather still writing the buffer (two steps, no read between)
         lo, hi = self.bounds
         own = self.full[lo:hi]
         if not self.master_is_view:
             pending = self.transfers.copy(own, self.master)
             pending.wait_device()  # the all-gather (and forward) read ``own``
             self._reading_host = pending
-        if self.layout.num_shards == 1:
-            return None
-        return comm.all_gather(self.full, own, async_op=True)
+        if self.layout.num_shards > 1:
+            self._handle = comm.all_gather(self.full, own, async_op=True)
+            self._state = ParamState.GATHERING
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"params": [self.full], "master": [] if self.master_is_view else [self.master]}
@@ -371,13 +380,12 @@ class ShardedParams(ParamStore):
         if self._state is ParamState.UNSHARDED:
             comm.all_gather(self.full, self._device_shard())
 
-    def after_step(self, comm: Communicator) -> Handle | None:
+    def after_step(self, comm: Communicator) -> None:
         if self.master is not self.shard:
             self.settle()  # an offloaded shard may still be read by a staging copy
             pending = self.transfers.copy(self.shard, self.master)
             pending.wait_device()  # the next gather reads ``shard``
             self._reading_host = pending
-        return None
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         held: dict[str, list[torch.Tensor]] = {"params": [self.shard], "master": []}

@@ -56,6 +56,7 @@ class ZeroPlan:
     prefetch: bool
     unit_leaf_classes: tuple[str, ...]
     check_gather_order: bool
+    overlap_param_gather: bool
     offload_optimizer: bool
     offload_params: bool
     broadcast_buffers: bool
@@ -91,6 +92,7 @@ def make_plan(config: ZeroConfig, world_size: int) -> ZeroPlan:
         prefetch=bool(config.resolved("prefetch")),
         unit_leaf_classes=tuple(config.resolved("unit_leaf_classes") or ()),
         check_gather_order=bool(config.resolved("check_gather_order")),
+        overlap_param_gather=config.overlap_param_gather,
         offload_optimizer=config.offload_optimizer,
         offload_params=config.offload_params,
         broadcast_buffers=config.broadcast_buffers,

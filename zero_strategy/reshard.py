@@ -389,6 +389,7 @@ def _optimizer_requests(engine: ZeroEngine, records: dict[str, dict[str, Any]]
 def _commit(engine: ZeroEngine, staged: _Staged, load_optimizer: bool) -> None:
     """Write what ``_stage`` read. Nothing here reads a file or can find a problem."""
     manifest = staged.reader.manifest
+    engine.runtime.settle()
     engine.runtime.reshard_all()
     engine.zero_grad()
     for unit in engine.units:

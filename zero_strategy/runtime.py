@@ -94,6 +94,12 @@ class Runtime:
         if unit.index not in self._pinned:
             unit.param_store.reshard()
 
+    def settle(self) -> None:
+        """Wait for every gather in flight (the post-step all-gathers of stages 1-2 among
+        them): run before anything reads or writes whole compute copies outside forward."""
+        for unit in self.units:
+            unit.param_store.finish_unshard()
+
     def reshard_all(self) -> None:
         self._pinned.clear()
         for unit in self.units:
