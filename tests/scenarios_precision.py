@@ -39,8 +39,8 @@ class DelayedTransfers(offload.Transfers):
     start as NaN, so reading a copy's destination before waiting gives a different result.
     ``wait_device`` makes a copy visible to compute (a copy into device memory), not to the
     host. A host buffer a copy reads must not change until the host waited on that copy
-    (``settle``): changes made earlier are counted in ``races``, as a GPU would have copied
-    the new values or a mix."""
+    (``wait_host_copies``): changes made earlier are counted in ``races``, as a GPU would
+    have copied the new values or a mix."""
 
     host_is_separate = True  # type: ignore[assignment]  # host buffers stand for pinned memory
 

@@ -153,7 +153,7 @@ class ShardedOptimizer:
     def step(self) -> None:
         self._sync_hyperparameters()
         for unit in self.units:  # the host is about to write masters copies may still read
-            unit.param_store.settle()
+            unit.param_store.wait_host_copies()
         self._attach_grads()
         with record_function("zero::optimizer_step"):
             self.inner.step()

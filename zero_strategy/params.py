@@ -1,7 +1,9 @@
 """A unit's parameters: the compute copy the module sees, and the master shard the optimizer owns.
 
 Replicated stores (stages 0-2, and stage 3's small persistent parameters) point the module's
-parameters at views of one flat compute buffer that exists for good.
+parameters at views of one flat compute buffer that exists for good. With several optimizer
+shards they are GATHERING from ``after_step`` (the all-gather of every rank's updated slice
+runs in the background) until ``finish_unshard`` waited for it, UNSHARDED otherwise.
 
 The sharded store (stage 3) is a state machine over the unit's whole compute copy, and it is
 the only code that changes what the module's parameters hold:
@@ -99,7 +101,7 @@ class ParamStore(ABC):
         """The newest copy reading this store's host buffers (the master, an offloaded
         shard); copies run in issue order, so earlier ones are done when it is."""
 
-    def settle(self) -> None:
+    def wait_host_copies(self) -> None:
         """Block until no copy still reads this store's host buffers: run before the host
         writes them (the CPU optimizer step, loading, user edits)."""
         if self._reading_host is not None:
@@ -157,7 +159,7 @@ class ParamStore(ABC):
         own = edited[lo:hi]
         master = self.master.to(own.device)
         changed = own != master.to(own.dtype)
-        self.settle()
+        self.wait_host_copies()
         self.transfers.copy_now(self.master, torch.where(changed, own.to(master.dtype), master))
 
     def shares_storage(self, tensor: torch.Tensor) -> bool:
@@ -169,7 +171,7 @@ class ParamStore(ABC):
         lo, hi = self.bounds
         start, end = max(lo, slot.offset), min(hi, slot.end)
         if start < end:
-            self.settle()
+            self.wait_host_copies()
             flat = value.reshape(-1)[start - slot.offset : end - slot.offset]
             self.master[start - lo : end - lo].copy_(flat.to(self.master.dtype))
 
@@ -355,7 +357,7 @@ class ShardedParams(ParamStore):
         lo, hi = self.bounds
         start, end = max(lo, slot.offset), min(hi, slot.end)
         if start < end and self.shard is not self.master:
-            self.settle()
+            self.wait_host_copies()
             flat = value.reshape(-1)[start - slot.offset : end - slot.offset]
             self.transfers.copy_now(self.shard[start - lo : end - lo], flat.to(self.shard.dtype))
         if self._state is ParamState.UNSHARDED:
@@ -367,7 +369,7 @@ class ShardedParams(ParamStore):
         lo, hi = self.bounds
         if self.shard is not self.master:
             self._merge_into_master(self.full)
-        self.settle()
+        self.wait_host_copies()
         self.transfers.copy_now(self.shard, self.full[lo:hi])
 
     def was_edited(self) -> bool:
@@ -382,7 +384,7 @@ class ShardedParams(ParamStore):
 
     def after_step(self, comm: Communicator) -> None:
         if self.master is not self.shard:
-            self.settle()  # an offloaded shard may still be read by a staging copy
+            self.wait_host_copies()  # an offloaded shard may still be read by a staging copy
             pending = self.transfers.copy(self.shard, self.master)
             pending.wait_device()  # the next gather reads ``shard``
             self._reading_host = pending

@@ -393,7 +393,7 @@ def _commit(engine: ZeroEngine, staged: _Staged, load_optimizer: bool) -> None:
     engine.runtime.reshard_all()
     engine.zero_grad()
     for unit in engine.units:
-        unit.param_store.settle()
+        unit.param_store.wait_host_copies()
     with torch.no_grad():
         for master, start, values in staged.masters:
             master[start : start + values.numel()].copy_(values)
