@@ -224,11 +224,10 @@ else:
     register("parity_stage3_accumulate_offload", parity, stage=3, accumulate=2,
              offload_optimizer=True, offload_params=True)
     register("offload_race", offload_race)
-    # The gather-order check is one blocking 8-byte exchange per stage-3 unit (a host sync by
-    # design, see runtime.py); these count every other sync.
+    # With the gather-order check on (the default): on a GPU its tags are read once per
+    # backward, not per unit (runtime.py).
     for _layers in (2, 6):
-        register(f"syncs_stage3_{_layers}", host_syncs, stage=3, layers=_layers,
-                 check_gather_order=False)
+        register(f"syncs_stage3_{_layers}", host_syncs, stage=3, layers=_layers)
         register(f"syncs_stage2_offload_{_layers}", host_syncs, stage=2, layers=_layers,
                  offload_optimizer=True)
         register(f"syncs_stage2_bf16_{_layers}", host_syncs, stage=2, layers=_layers,

@@ -369,6 +369,43 @@ def moe(layout: str, leaf: bool = False) -> dict[str, Any]:
     return out
 
 
+class RankOrdered(nn.Module):
+    """Two layers of one size that rank 0 runs in one order and the others in the other:
+    every gather pairs a different unit across ranks with a shard of the same size, so
+    nothing but the gather-order check can tell."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(D, D)
+        self.b = nn.Linear(D, D)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        first, second = (self.a, self.b) if dist.get_rank() == 0 else (self.b, self.a)
+        return second(torch.tanh(first(h)))
+
+
+def swapped_gather_order(deferred: bool) -> dict[str, Any]:
+    """Stage 3, every module its own unit: the check must raise before the step, whether
+    it blocks before each gather (CPU) or is read at the end of backward (as on a GPU)."""
+    torch.manual_seed(0)
+    model = RankOrdered()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = zs.ZeroEngine(model, optimizer_for(model), zs.ZeroConfig(**LAYOUTS["s3fine"]))
+    engine.runtime.defer_order_check = deferred
+    error = None
+    try:
+        engine.backward(engine(torch.randn(4, D)).square().mean())
+        engine.step()
+    except zs.GatherOrderError as e:
+        error = str(e)
+    engine.zero_grad()
+    after = engine.full_state_dict()
+    return {"raised": error, "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
+
+
+register("swapped_order_blocking", swapped_gather_order, deferred=False)
+register("swapped_order_deferred", swapped_gather_order, deferred=True)
+
 for _layout in LAYOUTS:
     for _loss in LOSSES:
         register(f"parity_{_loss}_{_layout}", parity, loss=_loss, layout=_layout)

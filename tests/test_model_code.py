@@ -122,3 +122,11 @@ def test_experts_as_their_own_units_need_a_leaf_class(world: dict) -> None:
     for r in check(world["moe_s3fine"]):
         assert "unit_leaf_classes" in r["error_text"], r
     assert_parity(check(world["moe_s3fine_leaf"]))
+
+
+@pytest.mark.parametrize("mode", ["blocking", "deferred"])
+def test_ranks_gathering_different_units_raise_before_the_step(world: dict, mode: str) -> None:
+    for r in check(world[f"swapped_order_{mode}"]):
+        assert r["raised"] is not None and "ranks are gathering different units" in r["raised"]
+        assert "'a'" in r["raised"] and "'b'" in r["raised"], r["raised"]
+        assert r["unchanged"], "weights changed although the ranks gathered different units"

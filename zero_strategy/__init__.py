@@ -6,11 +6,13 @@ from .config import LossScaleConfig, ZeroConfig
 from .engine import ZeroEngine
 from .memory import MemoryEstimate, estimate_memory
 from .reshard import consolidate, write_consolidated
+from .runtime import GatherOrderError
 
 _install_strategy_names()  # zero1 ... zero3_offload for Lightning's Trainer and Fabric
 
 __all__ = [
-    "CheckpointError", "LossScaleConfig", "MemoryEstimate", "ZeroConfig", "ZeroEngine",
+    "CheckpointError", "GatherOrderError", "LossScaleConfig", "MemoryEstimate", "ZeroConfig",
+    "ZeroEngine",
     "consolidate", "estimate_memory", "write_consolidated",
 ]
 __version__ = "0.1.0"

@@ -13,7 +13,13 @@ different code (mixture-of-experts routing leaves an expert unused on one rank o
   rank is launched at the end of backward, still in that order;
 - stage-3 gathers follow the modules that run, so with ``check_gather_order`` each gather is
   preceded by a tiny all-gather of the unit's index, and ranks that disagree raise an error
-  naming both units instead of exchanging the wrong shards or hanging.
+  naming both units instead of exchanging the wrong shards or hanging. When the group
+  communicates host tensors (gloo on CPU) the check blocks before the gather, so units of
+  different sizes never meet in one collective. On a GPU, reading the indices would stall the
+  host once per unit: there the exchange is issued with the gather and read once, at the end
+  of backward (or after ``DEFERRED_TAGS`` gathers), still before the step can use anything
+  gathered; units of different sizes then meet in one collective, which nccl ends with its
+  own timeout.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
-from .collectives import Communicator
+from .collectives import Communicator, Handle
 from .hooks import queue_end_of_backward, register_pre_backward
 from .params import ParamState
 from .units import Unit
@@ -33,6 +39,10 @@ from .units import Unit
 # completes, so the window bounds stage 2/3's transient gradient memory to a few units while
 # still overlapping communication with the rest of backward.
 MAX_INFLIGHT_REDUCTIONS = 2
+
+# Gather-order tags read at once on a GPU (one host sync) at the latest after this many
+# gathers, so a forward-only loop does not queue them without bound.
+DEFERRED_TAGS = 64
 
 
 class GatherOrderError(RuntimeError):
@@ -46,6 +56,8 @@ class Runtime:
         self.comm = comm
         self.prefetch = prefetch
         self.check_gather_order = check_gather_order and comm.world_size > 1
+        self.defer_order_check = comm.device.type != "cpu"
+        self._tags: list[tuple[Unit, torch.Tensor, Handle]] = []
         self.root_unit = next((u for u in units if u.module is root), None)
         self.sync = True
         self.grads_pending_step = False
@@ -66,12 +78,31 @@ class Runtime:
     def unshard(self, unit: Unit) -> None:
         store = unit.param_store
         if store.gathers and store.state is ParamState.SHARDED:
-            if self.check_gather_order:
-                self._agree_on(unit)
+            if self.check_gather_order and self.defer_order_check:
+                self._tag_gather(unit)
+            elif self.check_gather_order:
+                self._check_tags(unit, self.comm.all_gather_ints(unit.index))
             store.start_unshard(self.comm)
 
-    def _agree_on(self, unit: Unit) -> None:
-        tags = self.comm.all_gather_ints(unit.index)
+    def _tag_gather(self, unit: Unit) -> None:
+        mine = torch.tensor([unit.index], dtype=torch.int64, device=self.comm.device)
+        out = torch.empty(self.comm.world_size, dtype=torch.int64, device=self.comm.device)
+        self._tags.append((unit, out, self.comm.all_gather(out, mine, async_op=True)))
+        if len(self._tags) >= DEFERRED_TAGS:
+            self.verify_gather_order()
+
+    def verify_gather_order(self) -> None:
+        """Read the deferred gather-order tags (one host sync for all of them)."""
+        if not self._tags:
+            return
+        pending, self._tags = self._tags, []
+        for _, _, handle in pending:
+            handle.wait()
+        rows = torch.stack([out for _, out, _ in pending]).tolist()
+        for (unit, _, _), tags in zip(pending, rows):
+            self._check_tags(unit, tags)
+
+    def _check_tags(self, unit: Unit, tags: list[int]) -> None:
         if any(t != unit.index for t in tags):
             names = ", ".join(f"rank {r}: unit {t} {self.units[t].name or '<root>'!r}"
                               for r, t in enumerate(tags))
@@ -99,6 +130,7 @@ class Runtime:
         them): run before anything reads or writes whole compute copies outside forward."""
         for unit in self.units:
             unit.param_store.finish_unshard()
+        self.verify_gather_order()
 
     def reshard_all(self) -> None:
         self._pinned.clear()
@@ -129,6 +161,7 @@ class Runtime:
             leaves, lambda: self.pre_backward(unit)
         )
         if not torch.is_grad_enabled() and unit is self.root_unit:
+            self.verify_gather_order()
             self.reshard_all()  # inference: nothing will need the parameters again
         elif unit is not self.root_unit and (hooked or not torch.is_grad_enabled()):
             # Only free what a pre-backward hook can bring back; an output we cannot hook
@@ -212,6 +245,7 @@ class Runtime:
             self._launched = []
             for unit in self.units:
                 unit.fence_grad_copy()
+            self.verify_gather_order()  # before anything gathered can reach the step
             if self.sync:
                 self._agree_on_used()
             self.reshard_all()
@@ -224,6 +258,7 @@ class Runtime:
         for unit in self._launched:
             unit.grad_store.wait()
         self._launched = []
+        self.verify_gather_order()
         for unit in self.units:
             unit.ready = 0
             unit.reduced_this_pass = False
