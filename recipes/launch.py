@@ -21,7 +21,25 @@ def job_dir() -> Path:
         return Path.cwd()
 
 
+def check_job(cfg: DictConfig) -> None:
+    """What a worker would refuse, refused here before any worker starts: the precision
+    name, and the strategy's options as ZeroConfig reads them (field names and values)."""
+    import schema
+
+    if cfg.precision.name not in schema.PRECISIONS:
+        raise ValueError(f"precision.name={cfg.precision.name!r} is not one of "
+                         f"{list(schema.PRECISIONS)}")
+    if cfg.strategy.name != "ddp":
+        from zero_strategy.config import ZeroConfig
+
+        ZeroConfig.from_dict({"stage": int(cfg.strategy.stage),
+                              "precision": str(cfg.precision.name),
+                              **schema.zero_options(cfg.strategy.zero)},
+                             source="strategy.zero")
+
+
 def run_job(cfg: DictConfig, out: Path | None = None) -> float:
+    check_job(cfg)
     out = out or job_dir()
     out.mkdir(parents=True, exist_ok=True)
     config_file = out / "job.yaml"

@@ -2,7 +2,7 @@
 dataclasses, so a typo'd key, a wrong type or an unknown choice fails at compose time with the
 key named (``trainer.max_steps=abc``: "Value 'abc' could not be converted to Integer")."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from enum import Enum
 from typing import Any, Dict, List, Optional  # noqa: UP035 (OmegaConf reads these)
 
@@ -53,13 +53,40 @@ class DataConf:
     seed: int = 0
 
 
+ZERO_OPTIONS = (
+    "reduce_dtype", "bucket_numel", "unit_numel", "param_persistence_threshold", "prefetch",
+    "unit_leaf_classes", "check_gather_order", "overlap_param_gather", "offload_optimizer",
+    "offload_params", "broadcast_buffers", "nonfinite_grads", "elementwise_optimizer",
+    "loss_scale", "timeout",
+)
+"""ZeroConfig's fields a recipe may set under ``strategy.zero`` (stage and precision have keys
+of their own). Listed here, not imported, so composing needs no torch; a test keeps the list
+equal to ZeroConfig's."""
+
+# Unset (None) options keep ZeroConfig's defaults; a key not listed fails at compose time
+# naming it, and the values are ZeroConfig's to check (in the Hydra process, see launch.py).
+ZeroOptions = make_dataclass("ZeroOptions", [(n, Any, field(default=None)) for n in ZERO_OPTIONS])
+
+def zero_options(node: Any) -> Dict[str, Any]:  # noqa: UP006
+    """The options set under ``strategy.zero`` (a config node or a dict), as ZeroConfig
+    keyword arguments."""
+    from omegaconf import OmegaConf
+
+    values = OmegaConf.to_container(node) if OmegaConf.is_config(node) else dict(node)
+    return {k: v for k, v in values.items() if v is not None}
+
+
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+"""The precisions the recipes run (ZeroConfig's list; DDP runs them too)."""
+
+
 @dataclass
 class StrategyConf:
     name: str = "zero3"
     """A registered strategy: ddp, zero1, zero2, zero3, zero2_offload, zero3_offload."""
     stage: Optional[int] = None  # noqa: UP045
     """ZeRO stage (None for ddp)."""
-    zero: Dict[str, Any] = field(default_factory=dict)  # noqa: UP006
+    zero: ZeroOptions = field(default_factory=ZeroOptions)  # type: ignore[valid-type]
     """Extra ZeroConfig fields (bucket_numel, unit_numel, offload_optimizer, ...)."""
 
 

@@ -30,9 +30,11 @@ def make_strategy(cfg: Any) -> Any:
         from lightning.pytorch.strategies import DDPStrategy
 
         return DDPStrategy()  # bytes are counted by a comm hook JobMetrics installs
+    from schema import zero_options
+
     from zero_strategy.lightning import ZeroStrategy
 
-    return ZeroStrategy(stage=cfg.strategy.stage, **dict(cfg.strategy.zero))
+    return ZeroStrategy(stage=cfg.strategy.stage, **zero_options(cfg.strategy.zero))
 
 
 def main(config_file: str) -> None:

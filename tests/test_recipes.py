@@ -60,7 +60,8 @@ def test_strategies_map_onto_zero_config() -> None:
         if s.name == "ddp":
             assert s.stage is None
             continue
-        cfg = zs.ZeroConfig(stage=s.stage, **s.zero)  # every preset is a valid engine config
+        # every preset is a valid engine config
+        cfg = zs.ZeroConfig(stage=s.stage, **schema.zero_options(s.zero))
         assert s.name.startswith(f"zero{cfg.stage}")
         assert cfg.offload_optimizer == s.name.endswith("offload")
 
@@ -80,7 +81,8 @@ def _run(*args: str, cwd: Path, env: dict[str, str] | None = None
 @pytest.mark.parametrize(("override", "key"), [("strategy=zero4", "strategy"),
                                               ("trainer.max_steps=abc", "trainer.max_steps"),
                                               ("model.size=huge", "model.size"),
-                                              ("trainer.max_stepz=3", "max_stepz")])
+                                              ("trainer.max_stepz=3", "max_stepz"),
+                                              ("strategy.zero.bucket_numl=5", "bucket_numl")])
 def test_wrong_override_names_the_key(override: str, key: str, tmp_path: Path) -> None:
     run = _run(override, "--cfg", "job", cwd=tmp_path)
     assert run.returncode != 0 and key in run.stderr + run.stdout
@@ -145,3 +147,25 @@ def test_floor_is_overlapped_communication_or_compute_plus_the_optimizer() -> No
              "reduce_scatter": 0.5, "all_reduce": 1.5, "params": 10}
     # stage 0: all-reduce 1.5 > compute; 1-2: RS + AG = 0.8 < compute; 3: 2 AG + RS = 1.1
     assert floor.floors(parts) == pytest.approx({0: 1.9, 1: 1.2, 2: 1.2, 3: 1.3})
+
+
+@pytest.mark.parametrize(("overrides", "named"), [
+    (["precision.name=bf17"], "precision.name='bf17'"),
+    (["+strategy.zero.bucket_numl=5"], "bucket_numl"),  # "+" adds keys past the schema
+    (["strategy=zero2", "strategy.zero.unit_numel=5"], "unit_numel"),  # stage 3 only
+])
+def test_bad_job_values_fail_before_any_worker_starts(overrides: list[str], named: str,
+                                                      tmp_path: Path) -> None:
+    run = _run(*overrides, *FAST, cwd=tmp_path)
+    out = run.stdout + run.stderr
+    assert run.returncode != 0 and named in out, out[-2000:]
+    assert "processes:" not in out, "a worker was started before the check"
+
+
+def test_schema_lists_every_zero_config_option() -> None:
+    import dataclasses
+
+    import zero_strategy as zs
+
+    fields = {f.name for f in dataclasses.fields(zs.ZeroConfig)} - {"stage", "precision"}
+    assert set(schema.ZERO_OPTIONS) == fields
