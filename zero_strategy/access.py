@@ -126,18 +126,20 @@ class ParamAccess:
         return handled
 
     def check_save(self, module: nn.Module, keep_vars: bool) -> None:
-        self.settle()
-        if keep_vars:
-            return
+        """Runs for every module of a ``state_dict()``: only this module's own parameters'
+        units are waited for (a post-step gather) or refused (stage-3 placeholders)."""
         for p in module._parameters.values():
-            if p is not None and id(p) in self.sharded:
-                unit, _ = self.place[id(p)]
-                if unit.param_store.state is not ParamState.UNSHARDED:
-                    raise RuntimeError(
-                        f"state_dict(): stage 3 holds only this rank's shard of "
-                        f"{self.names[id(p)]!r}, so the module's own state_dict would hold "
-                        "placeholders. Use engine.full_state_dict() (on every rank), or call "
-                        "it inside `with engine.gathered_parameters(): ...`")
+            if p is None or id(p) not in self.watched:
+                continue
+            unit, _ = self.place[id(p)]
+            if not unit.param_store.gathers:
+                unit.param_store.finish_unshard()
+            elif not keep_vars and unit.param_store.state is not ParamState.UNSHARDED:
+                raise RuntimeError(
+                    f"state_dict(): stage 3 holds only this rank's shard of "
+                    f"{self.names[id(p)]!r}, so the module's own state_dict would hold "
+                    "placeholders. Use engine.full_state_dict() (on every rank), or call "
+                    "it inside `with engine.gathered_parameters(): ...`")
 
     # ---------------------------------------------------------------- explicit gathering
     def units_of(self, target: nn.Module | Iterable[torch.Tensor] | None) -> list[Unit]:

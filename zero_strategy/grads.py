@@ -43,9 +43,8 @@ class GradStore(ABC):
         """Start the asynchronous reduction of the local buffer."""
 
     @abstractmethod
-    def finish_reduce(self, world_size: int) -> None:
-        """Wait for the reduction and leave the averaged result in ``grad_shard``
-        (``world_size``: what the average was taken over)."""
+    def finish_reduce(self) -> None:
+        """Wait for the reduction and leave the averaged result in ``grad_shard``."""
 
     @abstractmethod
     def zero(self) -> None:
@@ -80,7 +79,7 @@ class AllReducedGrads(GradStore):
         self.buffer.div_(comm.world_size)
         self._pending = (comm.all_reduce(self.buffer, async_op=True), None)
 
-    def finish_reduce(self, world_size: int) -> None:
+    def finish_reduce(self) -> None:
         self.wait()
 
     def zero(self) -> None:
@@ -114,16 +113,16 @@ class ScatteredFullGrads(GradStore):
 
     def launch_reduce(self, comm: Communicator) -> None:
         out = torch.empty_like(self.grad_shard)
+        self._world_size = comm.world_size  # what the average is taken over
         self.buffer.div_(comm.world_size)
         self._pending = (comm.reduce_scatter(out, self.buffer, async_op=True), out)
 
-    def finish_reduce(self, world_size: int) -> None:
+    def finish_reduce(self) -> None:
         reduced = self.wait()
         assert reduced is not None
         self.buffer.zero_()
         self.grad_shard.copy_(reduced)
         self._holds_average = True
-        self._world_size = world_size
 
     def zero(self) -> None:
         self.buffer.zero_()
@@ -162,7 +161,7 @@ class ShardedGrads(GradStore):
         self.local.div_(comm.world_size)
         self._pending = (comm.reduce_scatter(out, self.local, async_op=True), out)
 
-    def finish_reduce(self, world_size: int) -> None:
+    def finish_reduce(self) -> None:
         reduced = self.wait()
         assert reduced is not None
         self.grad_shard.add_(reduced)

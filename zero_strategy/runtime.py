@@ -282,6 +282,6 @@ class Runtime:
             offset += len(unit.params)
 
     def _finish(self, unit: Unit) -> None:
-        unit.grad_store.finish_reduce(self.comm.world_size)
+        unit.grad_store.finish_reduce()
         unit.prepare_master_grad()
         self.grads_pending_step = True
