@@ -2,6 +2,7 @@
 
 from ._registration import install as _install_strategy_names
 from .checkpoint import CheckpointError
+from .combined import CombinedOptimizer
 from .config import LossScaleConfig, ZeroConfig
 from .engine import ZeroEngine
 from .memory import MemoryEstimate, estimate_memory
@@ -11,7 +12,7 @@ from .runtime import GatherOrderError
 _install_strategy_names()  # zero1 ... zero3_offload for Lightning's Trainer and Fabric
 
 __all__ = [
-    "CheckpointError", "GatherOrderError", "LossScaleConfig", "MemoryEstimate", "ZeroConfig",
+    "CheckpointError", "CombinedOptimizer", "GatherOrderError", "LossScaleConfig", "MemoryEstimate", "ZeroConfig",
     "ZeroEngine",
     "consolidate", "estimate_memory", "write_consolidated",
 ]

@@ -34,15 +34,17 @@ from safetensors.torch import save_file
 
 from .flat import FlatLayout, Slot
 from .optim_state import hyperparameters, local_records
+from .owner import OwnerPart
 
 if TYPE_CHECKING:
     from .engine import ZeroEngine
 
 FORMAT = "zero_strategy.checkpoint"
-VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
-"""2: per-parameter optimizer records; 3: shard sizes aligned (``shard_align`` per unit)."""
-"""v2 records optimizer state per parameter (v1: scalar states per param group)."""
+VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
+"""2: per-parameter optimizer records (1: scalar states per param group); 3: shard sizes
+aligned (``shard_align`` per unit); 4: whole state tensors of owner-placed optimizers
+(``"whole"`` in a parameter's record: shape, dtype and the shard file holding it)."""
 MANIFEST = "manifest.json"
 LATEST = "latest"
 MODULE_FILE = "module.safetensors"
@@ -151,8 +153,9 @@ def save(engine: ZeroEngine, directory: str | os.PathLike, *, tag: str | None = 
            _attempt(lambda: _prepare(root, tmp)) if comm.rank == 0 else None)
     written: tuple[dict[str, Any], dict[str, Any], list[str]] = ({}, {}, [])
     error = None
+    owned = _owned_states(engine)  # a collective: before anything a rank may fail in
     try:
-        written = _write_rank_files(engine, tmp, client_state)
+        written = _write_rank_files(engine, tmp, client_state, owned)
     except Exception as e:  # reported to every rank below, then re-raised here
         error = e
     gathered = comm.all_gather_object((*written, _describe(error)))
@@ -168,7 +171,8 @@ def save(engine: ZeroEngine, directory: str | os.PathLike, *, tag: str | None = 
     return root / tag
 
 
-def _write_rank_files(engine: ZeroEngine, tmp: Path, client_state: dict[str, Any] | None
+def _write_rank_files(engine: ZeroEngine, tmp: Path, client_state: dict[str, Any] | None,
+                      owned: dict[str, torch.Tensor]
                       ) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """This rank's shard file (and on rank 0 the module and client files): their sizes and
     sha256, the optimizer records and the state keys, for the manifest."""
@@ -176,6 +180,10 @@ def _write_rank_files(engine: ZeroEngine, tmp: Path, client_state: dict[str, Any
     files: dict[str, Any] = {}
     tensors, records = _shard_tensors(engine)
     shard_index = comm.rank if engine.plan.optimizer_shards > 1 else 0
+    tensors.update(owned)
+    for record in records.values():
+        for info in record.get("whole", {}).values():
+            info["shard"] = shard_index
     if engine.plan.optimizer_shards > 1 or comm.rank == 0:
         name = shard_file(shard_index)
         files[name] = _save_tensors(tensors, tmp / name)
@@ -183,7 +191,8 @@ def _write_rank_files(engine: ZeroEngine, tmp: Path, client_state: dict[str, Any
         files[MODULE_FILE] = _save_tensors(engine.unmanaged_state(), tmp / MODULE_FILE)
         if client_state is not None:
             files[CLIENT_FILE] = _save_client_state(client_state, tmp / CLIENT_FILE)
-    state_keys = sorted({k.split(".", 1)[1] for k in tensors if not k.endswith(".master")})
+    state_keys = sorted({k.split(".", 1)[1] for k in tensors
+                         if k.startswith("u") and not k.endswith(".master")})
     return files, records, state_keys
 
 
@@ -313,15 +322,37 @@ def _shard_tensors(
     out: dict[str, torch.Tensor] = {}
     for unit in engine.units:
         out[f"u{unit.index}.master"] = unit.param_store.master
-    for seg in engine.optimizer.segments:
-        for key, value in engine.optimizer.inner.state.get(seg.view, {}).items():
-            if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                continue
-            name = f"u{seg.unit.index}.{key}"
-            if name not in out:
-                out[name] = torch.zeros(seg.unit.layout.shard_numel, dtype=value.dtype)
-            out[name][seg.start : seg.end] = value.detach().cpu()
+    for seg, key, value in engine.optimizer.state_pieces():
+        name = f"u{seg.unit.index}.{key}"
+        if name not in out:
+            out[name] = torch.zeros(seg.unit.layout.shard_numel, dtype=value.dtype)
+        out[name][seg.start : seg.end] = value.detach().cpu()
     return out, local_records(engine.optimizer)
+
+
+def whole_key(name: str, key: str) -> str:
+    """Where an owner-placed parameter's whole state tensor ``key`` is stored."""
+    return f"w.{name}.{key}"
+
+
+def _owned_states(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+    """The whole state tensors this rank's shard file stores: its own owned ones, or with an
+    unsharded optimizer (one file, rank 0's) every rank's, sent to rank 0."""
+    local = {whole_key(name, key): value.detach().cpu()
+             for part in engine.optimizer.parts if isinstance(part, OwnerPart)
+             for (name, key), value in part.whole_states().items()}
+    if engine.plan.optimizer_shards > 1 or engine.comm.world_size == 1 or not any(
+            isinstance(part, OwnerPart) for part in engine.optimizer.parts):
+        return local
+    merged: dict[str, torch.Tensor] = {}
+    for part in engine.comm.all_gather_object(local):
+        merged.update(part)  # type: ignore[arg-type]
+    return merged if engine.comm.rank == 0 else {}
+
+
+def optimizer_name(engine: ZeroEngine) -> str:
+    """The optimizer classes, as the manifest records them ("Muon+AdamW" for several)."""
+    return "+".join(type(o).__name__ for o in engine.user_optimizers)
 
 
 def _save_client_state(state: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -344,7 +375,7 @@ def _manifest(engine: ZeroEngine, tag: str, merged: dict[str, Any], client: bool
         "format": FORMAT, "version": VERSION, "tag": tag,
         "stage": engine.plan.stage, "world_size": engine.comm.world_size,
         "optimizer_shards": engine.plan.optimizer_shards,
-        "precision": engine.config.precision, "optimizer": type(engine.user_optimizer).__name__,
+        "precision": engine.config.precision, "optimizer": optimizer_name(engine),
         "engine": {"global_step": engine.global_step, "skipped_steps": engine.skipped_steps,
                    "loss_scaler": scaler},
         "params": params, "aliases": aliases,

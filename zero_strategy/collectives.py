@@ -260,6 +260,21 @@ class Communicator:
         work = _all_gather(flat_output, shard, group=self.group, async_op=True)
         return self._finish(work, "all_gather", async_op)
 
+    def all_to_all(self, send: torch.Tensor, send_counts: list[int],
+                   recv_counts: list[int]) -> torch.Tensor:
+        """Rank r's ``send[sum(send_counts[:k]):...]`` goes to rank k; returns what every rank
+        sent here, in rank order (``recv_counts[k]`` elements from rank k)."""
+        self._check("all_to_all", send)
+        out = torch.empty(sum(recv_counts), dtype=send.dtype, device=send.device)
+        self._count("all_to_all", (send.numel() - send_counts[self.rank]) * send.element_size())
+        if self.world_size == 1:
+            out.copy_(send)
+            return out
+        work = dist.all_to_all_single(out, send, recv_counts, send_counts, group=self.group,
+                                      async_op=True)
+        self.wait(work, "all_to_all")
+        return out
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Rank ``src`` of this group sends ``tensor`` to every rank, in place."""
         self._check("broadcast", tensor)

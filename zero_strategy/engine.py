@@ -16,12 +16,15 @@ from torch.profiler import record_function
 from . import checkpoint, offload, reshard
 from .access import ParamAccess
 from .collectives import Communicator, default_device
+from .combined import CombinedOptimizer
+from .combined import parts as optimizer_parts
 from .config import ZeroConfig
 from .hooks import HookSet, ModulePatches
 from .materialize import InitFn, Materializer, has_meta
 from .memory import estimate_memory, storage_bytes
 from .optim_state import UserOptimizerPatch, full_state_dict, load_full_state_dict
-from .optimizer import ShardedOptimizer, check_elementwise
+from .optimizer import ShardedOptimizer, placement
+from .owner import OwnerPart
 from .plan import make_plan
 from .precision import LossScaler
 from .runtime import Runtime
@@ -31,9 +34,12 @@ from .units import NamedParams, build_units
 class ZeroEngine:
     """Trains ``model`` with ``optimizer`` under ZeRO ``config`` on every rank of ``process_group``.
 
-    ``optimizer`` is any elementwise torch optimizer built on the model's parameters; the
-    engine rebuilds it over this rank's shard and keeps reading hyperparameters from it, so
-    LR schedulers attached to it work unchanged.
+    ``optimizer`` is a torch optimizer built on the model's parameters, or several over
+    disjoint parameter sets (a list, or a ``CombinedOptimizer``: Muon for the hidden matrices
+    beside AdamW for the rest). The engine rebuilds each over this rank's shard (elementwise
+    optimizers) or over whole parameters on owning ranks (Muon, Adafactor, any update that
+    reads a parameter whole) and keeps reading hyperparameters from the user's objects, so LR
+    schedulers attached to them work unchanged.
 
     A model built on the meta device is materialised on ``device`` (default: the current CUDA
     device under nccl, else CPU) one unit at a time, each module initialised by
@@ -42,7 +48,9 @@ class ZeroEngine:
     """
 
     def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig | None = None,
+        self, model: nn.Module,
+        optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
+        config: ZeroConfig | None = None,
         *, process_group: Any = None, device: torch.device | str | None = None,
         param_init_fn: InitFn | None = None,
     ) -> None:
@@ -57,8 +65,10 @@ class ZeroEngine:
         _use_cuda_device(self.device)
         materializer = Materializer(model, self.device, param_init_fn) if has_meta(model) else None
         self.plan = make_plan(self.config, self.comm.world_size)
+        optimizer = _as_one_optimizer(optimizer)
         managed, group_of = _managed_parameters(model, optimizer)
-        check_elementwise(optimizer, self.config.elementwise_optimizer)
+        for part in optimizer_parts(optimizer):  # refusals before anything is built
+            placement(part, self.config.elementwise_optimizer)
         self.param_names = {id(p): n for n, p in managed}
         self.num_params = sum(p.numel() for _, p in managed)
         self._original_dtypes = {id(p): p.dtype for _, p in managed}
@@ -71,8 +81,8 @@ class ZeroEngine:
             materializer.finish()
         self._prepare_unmanaged(model, {id(p) for _, p in managed})
         self.optimizer = ShardedOptimizer(
-            optimizer, self.units, self.comm, self.plan.optimizer_shards
-        )
+            optimizer, self.units, self.comm, self.plan.optimizer_shards,
+            self.config.elementwise_optimizer)
         self.runtime = Runtime(self.units, self.comm, model, self.plan.prefetch,
                                self.plan.check_gather_order)
         self.hooks = HookSet()
@@ -81,8 +91,9 @@ class ZeroEngine:
                                   self.plan.overlap_param_gather)
         self.patches = ModulePatches(self.access, watch=bool(self.access.watched))
         self.patches.install(model)
-        self.optimizer_patch = UserOptimizerPatch(
-            optimizer, self.optimizer_state_dict, self.load_optimizer_state_dict)
+        self.optimizer_patches = [
+            UserOptimizerPatch(part.user, self._part_state_dict(k), self._part_loader(k))
+            for k, part in enumerate(self.optimizer.parts)]
         self.scaler = LossScaler(self.config.loss_scale) if self.plan.policy.scales_loss else None
         self._unscaled = False
         self._norm: torch.Tensor | None = None
@@ -223,7 +234,8 @@ class ZeroEngine:
             self.refresh_compute_copies()
         # torch's LR schedulers warn unless the optimizer they wrap was stepped; the engine
         # steps its inner copy (or skips), so record the call on the user's object.
-        self.user_optimizer._opt_called = True  # type: ignore[attr-defined]
+        for opt in {id(o): o for o in [self.user_optimizer, *self.user_optimizers]}.values():
+            opt._opt_called = True  # type: ignore[attr-defined]
         return not nonfinite
 
     def _report_nonfinite(self) -> None:
@@ -372,26 +384,45 @@ class ZeroEngine:
                     p.data = value.to(self._original_dtypes[id(p)], copy=True)
         self.hooks.remove()
         self.patches.remove()
-        self.optimizer_patch.remove()
+        for patch in self.optimizer_patches:
+            patch.remove()
         self._closed = True
         self.units = []
         self.optimizer.segments = []
         return self.module
 
     # ------------------------------------------------------------------ state
+    @property
+    def user_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The user's optimizers: the one given, or the parts of several."""
+        return optimizer_parts(self.user_optimizer)
+
     def optimizer_state_dict(self) -> dict[str, Any]:
         """The user's optimizer state as an unsharded run's ``optimizer.state_dict()`` would
-        hold it (same indices, keys and tensors), assembled on every rank: a collective that
-        materialises the whole optimizer state (use the sharded checkpoint to scale). The
-        user's optimizer object returns this from its own ``state_dict()``."""
+        hold it (same indices, keys and tensors; ``{"optimizers": [...]}`` for several, as
+        ``CombinedOptimizer`` saves), assembled on every rank: a collective that materialises
+        the whole optimizer state (use the sharded checkpoint to scale). The user's optimizer
+        objects return this from their own ``state_dict()``."""
         self._check_open("optimizer_state_dict")
-        return full_state_dict(self.optimizer, self.param_names, self.comm)
+        return self.user_optimizer.state_dict()
 
     def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's optimizer format (from ``optimizer_state_dict()`` or a run without
         ZeRO) into the shards; also what the user's ``optimizer.load_state_dict()`` does."""
         self._check_open("load_optimizer_state_dict")
-        load_full_state_dict(self.optimizer, self.param_names, state_dict)
+        self.user_optimizer.load_state_dict(state_dict)
+
+    def _part_state_dict(self, k: int) -> Any:
+        def save() -> dict[str, Any]:
+            self._check_open("optimizer.state_dict")
+            return full_state_dict(self.optimizer.parts[k], self.param_names, self.comm)
+        return save
+
+    def _part_loader(self, k: int) -> Any:
+        def load(state_dict: dict[str, Any]) -> None:
+            self._check_open("optimizer.load_state_dict")
+            load_full_state_dict(self.optimizer.parts[k], self.param_names, state_dict)
+        return load
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The consolidated module state dict on every rank: same keys and shapes as
@@ -455,11 +486,15 @@ class ZeroEngine:
         }
 
     def predicted_memory(self) -> Any:
+        owner_parts = [p for p in self.optimizer.parts if isinstance(p, OwnerPart)]
         return estimate_memory(
             self.num_params, stage=self.plan.stage, world_size=self.comm.world_size,
             precision=self.config.precision, optimizer_states=self.optimizer.states_per_param(),
             reduce_dtype=self.config.reduce_dtype, offload_optimizer=self.config.offload_optimizer,
             offload_params=self.config.offload_params,
+            placed_params=sum(p.placed_numel() for p in owner_parts),
+            owned_params=sum(p.owned_numel() for p in owner_parts),
+            placed_states=max((p.states_per_param() for p in owner_parts), default=0),
         )
 
     def comm_bytes(self) -> dict[str, int]:
@@ -473,6 +508,16 @@ class ZeroEngine:
     def eval(self) -> ZeroEngine:
         return self.train(False)
 
+
+
+def _as_one_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """One optimizer object: the one given, or several combined (checked disjoint)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if isinstance(optimizer, (list, tuple)):
+        return optimizer[0] if len(optimizer) == 1 else CombinedOptimizer(optimizer)
+    raise TypeError(f"optimizer must be a torch.optim.Optimizer or a list of them, got "
+                    f"{type(optimizer).__name__}")
 
 
 def _single_device(model: nn.Module, wanted: torch.device | str | None,

@@ -5,6 +5,11 @@ of optimizer state (fp32 master included when it is a separate copy), a rank hol
 stage 0: p + g + k, stage 1: p + g + k/N, stage 2: p + (g + k)/N, stage 3: (p + g + k)/N.
 fp32 Adam: (4, 4, 8); mixed-precision Adam: (2, 2, 12) as in the paper (g is 4 when
 gradients are reduced and held in fp32).
+
+Under owner placement (Muon, Adafactor: ``owner.py``) the optimizer states of the placed
+parameters are not sharded evenly but held whole by each parameter's owner, so a rank holds
+``placed_states`` states for each element it owns instead of ``optimizer_states`` / N for
+each placed element; the masters stay sharded as for every parameter.
 """
 
 from __future__ import annotations
@@ -49,16 +54,26 @@ class MemoryEstimate:
 def estimate_memory(
     num_params: int, *, stage: int, world_size: int, precision: str = "32-true",
     optimizer_states: int = 2, reduce_dtype: str = "fp32", offload_optimizer: bool = False,
-    offload_params: bool = False,
+    offload_params: bool = False, placed_params: int = 0, owned_params: int = 0,
+    placed_states: int = 0,
 ) -> MemoryEstimate:
     """Model-state bytes one rank holds under the ZeRO formula (``optimizer_states``: state
-    tensors per parameter, 2 for Adam). Offloaded parts count as host bytes."""
+    tensors per parameter, 2 for Adam). Offloaded parts count as host bytes.
+
+    ``placed_params`` of the ``num_params`` are trained by an owner-placed optimizer keeping
+    ``placed_states`` parameter-sized states (1 for Muon); this rank owns ``owned_params``
+    of them."""
     if not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params must be an int >= 0, got {num_params!r}")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if not isinstance(optimizer_states, int) or optimizer_states < 0:
-        raise ValueError(f"optimizer_states must be an int >= 0, got {optimizer_states!r}")
+    for name, value in (("optimizer_states", optimizer_states), ("placed_states", placed_states),
+                        ("placed_params", placed_params), ("owned_params", owned_params)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if not owned_params <= placed_params <= num_params:
+        raise ValueError(f"need owned_params <= placed_params <= num_params, got "
+                         f"{owned_params}, {placed_params}, {num_params}")
     config = ZeroConfig(  # validates stage/precision/offload combinations with the same rules
         stage=stage, precision=precision, reduce_dtype=reduce_dtype,
         offload_optimizer=offload_optimizer, offload_params=offload_params,
@@ -67,13 +82,15 @@ def estimate_memory(
     p = _size(policy.compute_dtype)
     g = _size(policy.reduce_dtype)
     separate_master = policy.separate_master or offload_optimizer or offload_params
-    k = optimizer_states * _size(policy.master_dtype)
-    k += _size(policy.master_dtype) if separate_master else 0
+    state = _size(policy.master_dtype)
+    master = state if separate_master else 0
+    k = optimizer_states * state + master
     n = world_size
     shard_p, shard_g, shard_k = stage >= 3, stage >= 2, stage >= 1
     params = num_params * p // (n if shard_p else 1)
     grads = num_params * g // (n if shard_g else 1)
-    optim = num_params * k // (n if shard_k else 1)
+    optim = (num_params * master + (num_params - placed_params) * optimizer_states * state
+             ) // (n if shard_k else 1) + owned_params * placed_states * state
     host = (optim if offload_optimizer else 0) + (params if offload_params else 0)
     return MemoryEstimate(
         num_params=num_params, stage=stage, world_size=n, precision=precision,

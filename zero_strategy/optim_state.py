@@ -15,60 +15,75 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .owner import OwnerPart
+
 if TYPE_CHECKING:
     from .collectives import Communicator
-    from .optimizer import Segment, ShardedOptimizer
+    from .optimizer import Segment, ShardedOptimizer, ShardPart
 
-Reader = Callable[[str, str, int, int], torch.Tensor]
+Reader = Callable[[str, str, "int | None", "int | None"], torch.Tensor]
 Records = dict[str, dict[str, Any]]
 
 
-def _name(seg: Segment) -> str:
-    return seg.unit.layout.slots[seg.index].name
-
-
 def local_records(opt: ShardedOptimizer) -> Records:
-    """Records of the parameters whose pieces on this rank have optimizer state."""
+    """Records of the parameters whose state (pieces or whole) this rank holds."""
     records: Records = {}
-    for seg in opt.segments:
-        state = opt.inner.state.get(seg.view, {})
-        if not state:
-            continue  # never stepped (frozen since construction, or never used)
-        record = records.setdefault(_name(seg), {"scalars": {}, "tensors": []})
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.dim() == 0:
-                record["scalars"][key] = float(value)
-            elif isinstance(value, torch.Tensor) and key not in record["tensors"]:
-                record["tensors"].append(key)
+    for part in opt.parts:
+        for name, record in part.records().items():
+            known = records.setdefault(name, record)
+            known["tensors"] += [k for k in record["tensors"] if k not in known["tensors"]]
     return records
 
 
-def piece_ranges(opt: ShardedOptimizer, records: Records
-                 ) -> Iterator[tuple[Segment, str, int, int]]:
-    """For each piece this rank owns whose parameter has a record: (segment, parameter name,
-    start, end) of the piece inside the parameter (flattened)."""
-    for seg in opt.segments:
+def state_keys(record: dict[str, Any]) -> list[str]:
+    """Every tensor state of a record: flat (laid out like the master) and whole."""
+    return list(record.get("tensors", [])) + list(record.get("whole", {}))
+
+
+def _piece_ranges(part: ShardPart, records: Records
+                  ) -> Iterator[tuple[Segment, str, int, int]]:
+    """For each piece of ``part`` on this rank whose parameter has a record: (segment,
+    parameter name, start, end) of the piece inside the parameter (flattened)."""
+    for seg in part.segments:
         slot = seg.unit.layout.slots[seg.index]
         if slot.name not in records:
             continue
-        lo, _ = seg.unit.layout.shard_bounds(opt.rank)
+        lo, _ = seg.unit.layout.shard_bounds(seg.unit.param_store.rank)
         start = seg.start + lo - slot.offset
         yield seg, slot.name, start, start + seg.end - seg.start
 
 
+def requests(opt: ShardedOptimizer, records: Records
+             ) -> Iterator[tuple[str, str, int | None, int | None]]:
+    """The (parameter, key, start, end) reads ``load_records`` will make; start and end are
+    None for a whole state tensor in its own shape."""
+    for part in opt.parts:
+        if isinstance(part, OwnerPart):
+            yield from part.requests(records)
+            continue
+        for _, name, start, end in _piece_ranges(part, records):
+            for key in state_keys(records[name]):
+                yield name, key, start, end
+
+
 def load_records(opt: ShardedOptimizer, records: Records, read: Reader) -> None:
-    """Replace the inner optimizer's state with the records' (a parameter without a record has
-    no state afterwards, as if it had never been stepped)."""
-    inner = opt.inner
+    """Replace every part's state with the records' (a parameter without a record has no
+    state afterwards, as if it had never been stepped)."""
+    for part in opt.parts:
+        load_records_part(part, records, read)
+
+
+def _load_pieces(part: ShardPart, records: Records, read: Reader) -> None:
+    inner = part.inner
     state_dict = inner.state_dict()
     index = {id(p): i for i, p in enumerate(p for g in inner.param_groups for p in g["params"])}
     new_state: dict[int, dict[str, Any]] = {}
-    for seg, name, start, end in piece_ranges(opt, records):
+    for seg, name, start, end in _piece_ranges(part, records):
         record = records[name]
         # clone: the source may be live tensors (another optimizer's state_dict()), which
         # torch's load_state_dict would otherwise alias
         entry: dict[str, Any] = {key: read(name, key, start, end).clone()
-                                 for key in record["tensors"]}
+                                 for key in state_keys(record)}
         for key, value in record["scalars"].items():
             entry[key] = torch.tensor(value, dtype=torch.float32)
         new_state[index[id(seg.view)]] = entry
@@ -77,51 +92,79 @@ def load_records(opt: ShardedOptimizer, records: Records, read: Reader) -> None:
 
 
 # ------------------------------------------------------------------ torch's format
-def _user_params(opt: ShardedOptimizer) -> list[torch.Tensor]:
-    return [p for g in opt.user.param_groups for p in g["params"]]
+def _user_params(part: ShardPart | OwnerPart) -> list[torch.Tensor]:
+    return [p for g in part.user.param_groups for p in g["params"]]
 
 
-def full_state_dict(opt: ShardedOptimizer, names: dict[int, str],
+def full_state_dict(part: ShardPart | OwnerPart, names: dict[int, str],
                     comm: Communicator) -> dict[str, Any]:
-    """What ``opt.user.state_dict()`` would return without ZeRO: every parameter's whole state
-    under its index in the user's param groups. A collective; materialises the full state."""
+    """What ``part.user.state_dict()`` would return without ZeRO: every parameter's whole
+    state under its index in the user's param groups. A collective; materialises the full
+    state of this optimizer."""
     records: Records = {}
-    for part in comm.all_gather_object(local_records(opt)):
-        records.update(part)  # type: ignore[arg-type]
-    whole = _gather_tensor_states(opt, records, comm)
+    for rank_records in comm.all_gather_object(part.records()):
+        for name, record in rank_records.items():  # type: ignore[attr-defined]
+            known = records.setdefault(name, record)
+            known["tensors"] += [k for k in record["tensors"] if k not in known["tensors"]]
+    if isinstance(part, OwnerPart):
+        whole = _broadcast_owned(part, records, comm)
+    else:
+        whole = _gather_tensor_states(part, records, comm)
     state: dict[int, dict[str, Any]] = {}
-    for index, p in enumerate(_user_params(opt)):
+    for index, p in enumerate(_user_params(part)):
         record = records.get(names[id(p)])
         if record is None:
             continue
         entry: dict[str, Any] = {k: torch.tensor(v, dtype=torch.float32)
                                  for k, v in record["scalars"].items()}
-        for key in record["tensors"]:
+        for key in state_keys(record):
             entry[key] = whole[(names[id(p)], key)]
         state[index] = entry
     groups, start = [], 0
-    for group in opt.user.param_groups:
+    for group in part.user.param_groups:
         ids = list(range(start, start + len(group["params"])))
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
         start += len(ids)
     return {"state": state, "param_groups": groups}
 
 
-def _gather_tensor_states(opt: ShardedOptimizer, records: Records,
+def _broadcast_owned(part: OwnerPart, records: Records,
+                     comm: Communicator) -> dict[tuple[str, str], torch.Tensor]:
+    """(parameter name, key) -> the whole state tensor, each sent by its owner."""
+    mine = part.whole_states()
+    out = {}
+    for pl in part.placed:
+        for key, info in records.get(pl.name, {}).get("whole", {}).items():
+            if pl.owner == comm.rank:
+                tensor = mine[(pl.name, key)].detach().to(comm.device).contiguous()
+            else:
+                tensor = torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]),
+                                     device=comm.device)
+            if comm.world_size > 1:
+                comm.broadcast(tensor, src=pl.owner)
+            out[(pl.name, key)] = tensor.to(pl.unit.param_store.master.device, copy=True)
+    return out
+
+
+def _gather_tensor_states(part: ShardPart, records: Records,
                           comm: Communicator) -> dict[tuple[str, str], torch.Tensor]:
     """(parameter name, key) -> the whole state tensor, one unit and key at a time."""
     out: dict[tuple[str, str], torch.Tensor] = {}
     keys = sorted({k for r in records.values() for k in r["tensors"]})
-    for unit in opt.units:
+    units = {id(s.unit): s.unit for s in part.segments}
+    for unit in part.units:
         layout = unit.layout
+        if not any(slot.group in part.groups for slot in layout.slots):
+            continue  # the same test on every rank: the collectives below stay matched
         device = unit.param_store.full.device
         for key in keys:
             shard = torch.zeros(layout.shard_numel, dtype=unit.param_store.master.dtype,
                                 device=device)
-            for seg in (s for s in opt.segments if s.unit is unit):
-                value = opt.inner.state.get(seg.view, {}).get(key)
-                if value is not None:
-                    shard[seg.start : seg.end].copy_(value)
+            if id(unit) in units:
+                for seg in (s for s in part.segments if s.unit is unit):
+                    value = part.inner.state.get(seg.view, {}).get(key)
+                    if value is not None:
+                        shard[seg.start : seg.end].copy_(value)
             full = shard
             if layout.num_shards > 1:
                 full = torch.empty(layout.padded_numel, dtype=shard.dtype, device=device)
@@ -132,22 +175,26 @@ def _gather_tensor_states(opt: ShardedOptimizer, records: Records,
     return out
 
 
-def load_full_state_dict(opt: ShardedOptimizer, names: dict[int, str],
+def load_full_state_dict(part: ShardPart | OwnerPart, names: dict[int, str],
                          state_dict: dict[str, Any]) -> None:
     """Load what ``full_state_dict`` (or an unsharded run's ``optimizer.state_dict()``)
     returned: hyperparameters into the user's groups, each parameter's state into the pieces
-    this rank owns. Everything is checked before anything changes."""
-    params = _user_params(opt)
-    groups = _check_torch_format(opt, params, state_dict)
+    this rank owns (or whole, on its owner). Everything is checked before anything changes."""
+    params = _user_params(part)
+    groups = _check_torch_format(part, params, state_dict)
+    owner = isinstance(part, OwnerPart)
     records: Records = {}
     tensors: dict[tuple[str, str], torch.Tensor] = {}
     for index, entry in state_dict["state"].items():
         p = params[int(index)]
         name = names[id(p)]
-        record = records.setdefault(name, {"scalars": {}, "tensors": []})
+        record = records.setdefault(name, {"scalars": {}, "tensors": [], "whole": {}})
         for key, value in entry.items():
             if not isinstance(value, torch.Tensor) or value.dim() == 0:
                 record["scalars"][key] = float(value)
+            elif owner:
+                record["whole"][key] = {"shape": list(value.shape)}
+                tensors[(name, key)] = value.detach()
             elif tuple(value.shape) != tuple(p.shape):
                 raise ValueError(f"optimizer state {key!r} of parameter {name!r} (index "
                                  f"{index}) has shape {tuple(value.shape)}, the parameter "
@@ -155,12 +202,23 @@ def load_full_state_dict(opt: ShardedOptimizer, names: dict[int, str],
             else:
                 record["tensors"].append(key)
                 tensors[(name, key)] = value.detach().reshape(-1)
-    for group, saved in zip(opt.user.param_groups, groups):
+    for group, saved in zip(part.user.param_groups, groups):
         group.update({k: v for k, v in saved.items() if k != "params"})
-    load_records(opt, records, lambda name, key, lo, hi: tensors[(name, key)][lo:hi])
+
+    def read(name: str, key: str, lo: int | None, hi: int | None) -> torch.Tensor:
+        return tensors[(name, key)] if lo is None else tensors[(name, key)][lo:hi]
+
+    load_records_part(part, records, read)
 
 
-def _check_torch_format(opt: ShardedOptimizer, params: list[torch.Tensor],
+def load_records_part(part: ShardPart | OwnerPart, records: Records, read: Reader) -> None:
+    if isinstance(part, OwnerPart):
+        part.load(records, read)
+    else:
+        _load_pieces(part, records, read)
+
+
+def _check_torch_format(opt: ShardPart | OwnerPart, params: list[torch.Tensor],
                         state_dict: dict[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
         raise ValueError("optimizer.load_state_dict: expected torch's format, a dict with "

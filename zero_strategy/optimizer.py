@@ -12,8 +12,8 @@ groups are copied onto the inner groups before every step.
 
 from __future__ import annotations
 
-import inspect
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,9 @@ import torch
 from torch.profiler import record_function
 
 from .collectives import Communicator
+from .combined import parts as combined_parts
+from .inner import IMPLEMENTATION_KEYS, inner_groups, rebuild, state_record, sync_hyperparameters
+from .owner import OwnerPart
 from .units import Unit
 
 # How many parameter-sized state tensors each optimizer keeps (the ZeRO formula's K / 4 in
@@ -40,45 +43,34 @@ ELEMENTWISE = (
 )
 
 
-def check_elementwise(optimizer: torch.optim.Optimizer, declared: bool) -> None:
-    """Refuse an optimizer whose update reads a parameter as a whole (its shape, a norm, row
-    or column statistics): on flat shards it would silently compute something else."""
-    if declared:
-        return
+# torch's optimizers whose update reads a parameter as a whole but each parameter on its own
+# (Muon's orthogonalisation, Adafactor's row/column statistics): exact when one rank updates
+# each whole parameter (``owner.OwnerPart``).
+PER_PARAMETER = (torch.optim.Muon, torch.optim.Adafactor)
+
+# Optimizers that couple parameters or need what a step() without a closure cannot give.
+REFUSED = {
+    torch.optim.LBFGS: "LBFGS treats all its parameters as one vector and re-evaluates the loss "
+                       "through a closure",
+    torch.optim.SparseAdam: "SparseAdam needs sparse gradients; ZeRO reduces dense ones",
+}
+
+
+def placement(optimizer: torch.optim.Optimizer, declared: bool) -> str:
+    """"shard": run on the flat shard pieces (exact for elementwise updates, the fast path);
+    "owner": each whole parameter updated on one owning rank (exact for any update that reads
+    only that parameter: its shape, norms, rows or columns). ``declared``
+    (``ZeroConfig(elementwise_optimizer=True)``) puts a user-defined optimizer on shards."""
+    for base, why in REFUSED.items():
+        if isinstance(optimizer, base):
+            raise ValueError(f"{type(optimizer).__name__} cannot be trained with ZeRO: {why}")
     for base in ELEMENTWISE:  # a subclass that keeps the base's step is the same math
         if isinstance(optimizer, base) and type(optimizer).step is base.step:
-            return
-    name = type(optimizer).__name__
-    raise ValueError(
-        f"{name} is not one of torch's elementwise optimizers "
-        f"({', '.join(c.__name__ for c in ELEMENTWISE)}). ZeRO runs the optimizer on flat "
-        "shards of the parameters, which is exact only for elementwise updates; an update that "
-        "reads a whole parameter (Adafactor's row/column statistics, Muon's "
-        "orthogonalisation, LAMB's per-tensor trust ratio, LBFGS's history, anything using "
-        "p.shape or a norm) would silently compute something else. If every element of "
-        f"{name}'s update depends only on that element's gradient and state, declare it with "
-        "ZeroConfig(elementwise_optimizer=True)")
-
-
-# Group keys that choose a kernel rather than the math; the inner optimizer keeps its own.
-_IMPLEMENTATION_KEYS = {"params", "fused", "foreach", "capturable", "differentiable"}
-
-
-def _rebuild(cls: type[torch.optim.Optimizer], defaults: dict[str, Any],
-             groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-    """The same optimizer class over ``groups``; torch's fused kernel when the user left the
-    implementation unset (on CPU it is ~6x faster than the per-tensor loop, and the shard is
-    a handful of large tensors, its best case)."""
-    accepted = inspect.signature(cls.__init__).parameters
-    kwargs = {k: v for k, v in defaults.items() if k in accepted}
-    wants_default = kwargs.get("fused") is None and kwargs.get("foreach") is None
-    if "fused" in accepted and wants_default and not kwargs.get("differentiable"):
-        fused_groups = [{**g, "fused": True, "foreach": None} for g in groups]
-        try:
-            return cls(fused_groups, **{**kwargs, "fused": True})
-        except (RuntimeError, ValueError):  # dtype/device without a fused kernel
-            pass
-    return cls(groups, **kwargs)
+            return "shard"
+    user_defined = not type(optimizer).__module__.startswith("torch.")
+    if declared and user_defined:
+        return "shard"
+    return "owner"
 
 
 @dataclass(frozen=True)
@@ -105,60 +97,110 @@ def _segments(units: list[Unit], rank: int) -> list[Segment]:
     return out
 
 
+class ShardPart:
+    """An elementwise optimizer over the pieces of its parameters in this rank's shard."""
+
+    def __init__(self, user: torch.optim.Optimizer, first_group: int,
+                 segments: list[Segment], units: list[Unit]) -> None:
+        self.user = user
+        self.units = units
+        self.groups = range(first_group, first_group + len(user.param_groups))
+        self.segments = [seg for seg in segments if seg.group in self.groups]
+        params: list[list[torch.Tensor]] = [[] for _ in user.param_groups]
+        for seg in self.segments:
+            params[seg.group - first_group].append(seg.view)
+        self.inner = rebuild(type(user), user.defaults, inner_groups(user, params))
+
+    def add_segments(self, new: list[Segment]) -> None:
+        """Pieces of parameters added to the user's optimizer after construction."""
+        self.groups = range(self.groups.start, self.groups.start + len(self.user.param_groups))
+        while len(self.inner.param_groups) < len(self.user.param_groups):
+            user_group = self.user.param_groups[len(self.inner.param_groups)]
+            hyper = {k: v for k, v in user_group.items() if k not in IMPLEMENTATION_KEYS}
+            self.inner.add_param_group({**hyper, "params": []})
+        for seg in new:
+            self.segments.append(seg)
+            self.inner.param_groups[seg.group - self.groups.start]["params"].append(seg.view)
+
+    def step(self) -> None:
+        sync_hyperparameters(self.user, self.inner)
+        for seg in self.segments:
+            if seg.unit.stepped[seg.index]:
+                seg.view.grad = seg.unit.master_grad[seg.start : seg.end]
+        try:
+            self.inner.step()
+        finally:
+            for seg in self.segments:
+                seg.view.grad = None
+
+    def records(self) -> dict[str, dict[str, Any]]:
+        """Records of the parameters whose pieces on this rank have optimizer state."""
+        out: dict[str, dict[str, Any]] = {}
+        for seg in self.segments:
+            state = self.inner.state.get(seg.view, {})
+            if state:  # else never stepped (frozen since construction, or never used)
+                record = state_record(state)
+                known = out.setdefault(seg.unit.layout.slots[seg.index].name, record)
+                known["tensors"] += [k for k in record["tensors"] if k not in known["tensors"]]
+        return out
+
+    def state_pieces(self) -> Iterator[tuple[Segment, str, torch.Tensor]]:
+        for seg in self.segments:
+            for key, value in self.inner.state.get(seg.view, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    yield seg, key, value
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [t for s in self.inner.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor)]
+
+    def state_numel(self) -> tuple[int, int]:
+        """(elements of parameter-sized state, elements of parameters) on this rank."""
+        sized = sum(v.numel() for _, _, v in self.state_pieces())
+        return sized, sum(seg.view.numel() for seg in self.segments)
+
+
 class ShardedOptimizer:
+    """The user's optimizers (one, or the parts of a ``CombinedOptimizer``), each rebuilt as a
+    ``ShardPart`` over this rank's shard pieces or an ``OwnerPart`` over whole parameters
+    placed on owning ranks; groups are numbered across the parts in order."""
+
     def __init__(self, user_optimizer: torch.optim.Optimizer, units: list[Unit],
-                 comm: Communicator, shards: int) -> None:
+                 comm: Communicator, shards: int, declared_elementwise: bool = False) -> None:
         self.user = user_optimizer
         self.units = units
         self.comm = comm
         self.shards = shards
         self.rank = comm.rank if shards > 1 else 0
         self.segments = _segments(units, self.rank)
-        groups: list[list[torch.Tensor]] = [[] for _ in user_optimizer.param_groups]
-        for seg in self.segments:
-            groups[seg.group].append(seg.view)
-        inner_groups = [
-            {**{k: v for k, v in g.items() if k != "params"}, "params": params}
-            for g, params in zip(user_optimizer.param_groups, groups)
-        ]
-        self.inner = _rebuild(type(user_optimizer), user_optimizer.defaults, inner_groups)
+        self.parts: list[ShardPart | OwnerPart] = []
+        first = 0
+        for opt in combined_parts(user_optimizer):
+            if placement(opt, declared_elementwise) == "shard":
+                self.parts.append(ShardPart(opt, first, self.segments, units))
+            else:
+                self.parts.append(OwnerPart(opt, first, units, comm))
+            first += len(opt.param_groups)
 
     def add_units(self, units: list[Unit]) -> None:
         """Parameters the engine took over after construction (unfrozen and added to the
-        user's optimizer): their pieces join the inner groups, new groups included."""
+        last of the user's optimizers): their pieces join its inner groups."""
         new = _segments(units, self.rank)  # self.units is the engine's list: already extended
         self.segments += new
-        while len(self.inner.param_groups) < len(self.user.param_groups):
-            user_group = self.user.param_groups[len(self.inner.param_groups)]
-            hyper = {k: v for k, v in user_group.items() if k not in _IMPLEMENTATION_KEYS}
-            self.inner.add_param_group({**hyper, "params": []})
-        for seg in new:
-            self.inner.param_groups[seg.group]["params"].append(seg.view)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.inner.param_groups
-
-    def _sync_hyperparameters(self) -> None:
-        for user_group, inner_group in zip(self.user.param_groups, self.inner.param_groups):
-            for key, value in user_group.items():
-                if key not in _IMPLEMENTATION_KEYS:
-                    inner_group[key] = value
-
-    def _attach_grads(self) -> None:
-        for seg in self.segments:
-            if seg.unit.stepped[seg.index]:
-                seg.view.grad = seg.unit.master_grad[seg.start : seg.end]
+        last = self.parts[-1]
+        if not isinstance(last, ShardPart):
+            raise ValueError(
+                f"parameters were added to {type(last.user).__name__}, whose parameters are "
+                "placed whole on owning ranks when the engine is built; build the optimizer "
+                "with every parameter it will train (frozen ones included)")
+        last.add_segments(new)
 
     def step(self) -> None:
-        self._sync_hyperparameters()
         for unit in self.units:  # the host is about to write masters copies may still read
             unit.param_store.wait_host_copies()
-        self._attach_grads()
         with record_function("zero::optimizer_step"):
-            self.inner.step()
-        for seg in self.segments:
-            seg.view.grad = None
+            for part in self.parts:
+                part.step()
 
     def master_grads(self) -> list[torch.Tensor]:
         return [unit.master_grad for unit in self.units]
@@ -179,22 +221,30 @@ class ShardedOptimizer:
         return total
 
     def states_per_param(self) -> int:
-        """Parameter-sized state tensors per parameter, measured once state exists."""
-        seg_numel = sum(seg.view.numel() for seg in self.segments)
-        if self.inner.state and seg_numel:
-            sized = sum(
-                t.numel() for s in self.inner.state.values() for t in s.values()
-                if isinstance(t, torch.Tensor) and t.dim() > 0
-            )
-            return round(sized / seg_numel)
-        name = type(self.user).__name__
-        if name == "SGD":
-            return 1 if self.user.defaults.get("momentum", 0) else 0
-        return _STATES_PER_PARAM.get(name, 2)
+        """Parameter-sized state tensors per parameter of the shard-placed optimizers,
+        measured once state exists (before: the count each optimizer is known to keep)."""
+        shard_parts = [p for p in self.parts if isinstance(p, ShardPart)]
+        sized = sum(p.state_numel()[0] for p in shard_parts)
+        numel = sum(p.state_numel()[1] for p in shard_parts)
+        if sized and numel:
+            return round(sized / numel)
+        return max((known_states(p.user) for p in shard_parts), default=0)
 
     def state_tensors(self) -> list[torch.Tensor]:
-        return [t for s in self.inner.state.values() for t in s.values()
-                if isinstance(t, torch.Tensor)]
+        return [t for part in self.parts for t in part.state_tensors()]
+
+    def state_pieces(self) -> Iterator[tuple[Segment, str, torch.Tensor]]:
+        """Parameter-sized states of the shard-placed optimizers, piece by piece."""
+        for part in self.parts:
+            if isinstance(part, ShardPart):
+                yield from part.state_pieces()
+
+
+def known_states(optimizer: torch.optim.Optimizer) -> int:
+    name = type(optimizer).__name__
+    if name == "SGD":
+        return 1 if optimizer.defaults.get("momentum", 0) else 0
+    return _STATES_PER_PARAM.get(name, 2)
 
 
 def global_norm(grads: list[torch.Tensor], norm_type: float, comm: Communicator,

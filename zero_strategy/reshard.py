@@ -31,9 +31,11 @@ from .checkpoint import (
     _layout_from_json,
     _sha256,
     atomic_file,
+    optimizer_name,
     shard_file,
+    whole_key,
 )
-from .optim_state import load_records, piece_ranges, restore_hyperparameters
+from .optim_state import load_records, requests, restore_hyperparameters
 from .validation import (
     DTYPES_FROM_ST,
     PARAM_DTYPES,
@@ -161,6 +163,19 @@ class CheckpointReader:
                                      min(hi, (k + 1) * n) - k * n))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    def read_state(self, name: str, key: str, start: int | None, end: int | None
+                   ) -> torch.Tensor:
+        """Optimizer state ``key`` of parameter ``name``: elements [start, end) flattened, or
+        with ``start`` None the whole tensor in its own shape, whether the checkpoint holds it
+        laid out like the master or whole (an owner-placed optimizer's)."""
+        whole = param_records(self.manifest).get(name, {}).get("whole", {})
+        if key in whole:
+            value = self._open(shard_file(whole[key]["shard"])).read(whole_key(name, key))
+            return value if start is None else value.reshape(-1)[start:end]
+        if start is None:
+            return self.read_param(name, key)
+        return self.read_range(name, key, start, end if end is not None else start)
+
     def read_param(self, name: str, key: str = "master") -> torch.Tensor:
         _, slot = self.where[name]
         return self.read_range(name, key, 0, slot.numel).view(slot.shape)
@@ -274,11 +289,10 @@ def _check_loadable(engine: ZeroEngine, reader: CheckpointReader, load_optimizer
     """What the commit will apply besides tensors, tried on copies: the optimizer, its
     hyperparameters and the loss scaler's state."""
     manifest, file = reader.manifest, reader.path / MANIFEST
-    if load_optimizer and manifest["optimizer"] != type(engine.user_optimizer).__name__:
+    if load_optimizer and manifest["optimizer"] != optimizer_name(engine):
         raise CheckpointError(
             f"{file}: saved with optimizer {manifest['optimizer']}, loading into "
-            f"{type(engine.user_optimizer).__name__}; pass load_optimizer=False to load "
-            "weights only")
+            f"{optimizer_name(engine)}; pass load_optimizer=False to load weights only")
     groups = manifest.get("param_groups")  # v1 checkpoints did not record them
     if load_optimizer and groups is not None:
         if len(groups) != len(engine.user_optimizer.param_groups):
@@ -349,12 +363,12 @@ class _Staged:
     """(a unit's master shard, offset in it, values)"""
     module: dict[str, torch.Tensor]
     records: dict[str, dict[str, Any]]
-    ranges: dict[tuple[str, str, int, int], torch.Tensor]
+    ranges: dict[tuple[str, str, int | None, int | None], torch.Tensor]
     """Optimizer state ranges, by (parameter, key, start, end)."""
     client_state: dict[str, Any] | None
 
-    def read(self, name: str, key: str, start: int, end: int) -> torch.Tensor:
-        return self.ranges[(name, key, start, end)]  # staged from the same piece_ranges
+    def read(self, name: str, key: str, start: int | None, end: int | None) -> torch.Tensor:
+        return self.ranges[(name, key, start, end)]  # staged from the same requests
 
 
 def _stage(engine: ZeroEngine, reader: CheckpointReader, load_optimizer: bool,
@@ -370,20 +384,12 @@ def _stage(engine: ZeroEngine, reader: CheckpointReader, load_optimizer: bool,
             masters.append((unit.param_store.master, piece.shard_start, values))
     module = {key: reader.module_tensor(key) for key in engine.unmanaged_state()}
     records = param_records(reader.manifest) if load_optimizer else {}
-    ranges = {request: reader.read_range(*request)
-              for request in _optimizer_requests(engine, records)}
+    ranges = {request: reader.read_state(*request)
+              for request in requests(engine.optimizer, records)}
     client = _load_client_state(reader.path, reader.manifest)
     if before_commit is not None:
         before_commit(client)
     return _Staged(reader, masters, module, records, ranges, client)
-
-
-def _optimizer_requests(engine: ZeroEngine, records: dict[str, dict[str, Any]]
-                        ) -> Iterator[tuple[str, str, int, int]]:
-    """The (parameter, key, start, end) reads ``optim_state.load_records`` will make."""
-    for _, name, start, end in piece_ranges(engine.optimizer, records):
-        for key in records[name]["tensors"]:
-            yield name, key, start, end
 
 
 def _commit(engine: ZeroEngine, staged: _Staged, load_optimizer: bool) -> None:

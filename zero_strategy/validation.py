@@ -327,6 +327,27 @@ def _check_states(file: Path, manifest: dict[str, Any]) -> None:
         tensors = _get(file, record, "tensors", list, where)
         if not all(isinstance(t, str) for t in tensors) or not set(tensors) <= set(keys):
             raise _fail(file, f"{where}.tensors", f"{tensors} are not all in state_keys {keys}")
+        _check_whole(file, record.get("whole", {}), f"{where}.whole", manifest)
+
+
+def _check_whole(file: Path, whole: Any, where: str, manifest: dict[str, Any]) -> None:
+    """Whole state tensors of an owner-placed optimizer (format 4): key -> shape, float
+    dtype and the shard file that holds it."""
+    if not isinstance(whole, dict):
+        raise _fail(file, where, "must be an object")
+    for key, info in whole.items():
+        at = f"{where}.{key}"
+        if not (isinstance(key, str) and _STATE_KEY.match(key)):
+            raise _fail(file, at, "must be named by an identifier")
+        if not isinstance(info, dict):
+            raise _fail(file, at, "must be an object")
+        _shape(file, _get(file, info, "shape", list, at), f"{at}.shape")
+        dtype = _get(file, info, "dtype", str, at)
+        if dtype not in PARAM_DTYPES:
+            raise _fail(file, f"{at}.dtype", f"must be a float dtype, got {dtype!r}")
+        if _count(file, info, "shard", at) >= manifest["optimizer_shards"]:
+            raise _fail(file, f"{at}.shard", f"must be below optimizer_shards "
+                        f"({manifest['optimizer_shards']}), got {info['shard']}")
 
 
 def _numbers(file: Path, values: Any, where: str) -> None:
@@ -451,6 +472,18 @@ def check_tensors(path: Path, manifest: dict[str, Any],
                                           f"{dtype}")
                 if not DTYPES_FROM_ST[entry["dtype"]].is_floating_point:
                     raise CheckpointError(f"{where} is {entry['dtype']}, not a float dtype")
+    for name, record in states.items():
+        for key, info in record.get("whole", {}).items():
+            file = shard_file(info["shard"])
+            tensor = f"w.{name}.{key}"
+            entry = headers[file].get(tensor)
+            where = f"{path / file}: tensor {tensor!r}"
+            if entry is None:
+                raise CheckpointError(f"{where} is missing (the manifest's param_states name it)")
+            if entry["shape"] != info["shape"] or entry["dtype"] != ST_DTYPES[
+                    PARAM_DTYPES[info["dtype"]]]:
+                raise CheckpointError(f"{where} is {entry['dtype']} {entry['shape']}, the "
+                                      f"manifest says {info['dtype']} {info['shape']}")
     module = headers[MODULE_FILE]
     missing = [k for k in manifest["state_dict_keys"]
                if k not in manifest["aliases"] and k not in module]
