@@ -104,7 +104,7 @@ def load_elsewhere(stage: int, source: str = "cross", kind: str = "gpt2") -> dic
     states_equal = True
     rank = dist.get_rank() if engine.plan.optimizer_shards > 1 else 0
     for seg in engine.optimizer.segments:
-        state = engine.optimizer.inner.state[seg.view]
+        state = engine.optimizer.parts[0].inner.state[seg.view]
         for piece in seg.unit.layout.pieces(rank):
             lo, hi = max(piece.shard_start, seg.start), min(piece.shard_start + piece.numel,
                                                             seg.end)

@@ -44,7 +44,8 @@ def _train(engine: zs.ZeroEngine, steps: int, seed: int) -> None:
 
 def _snapshot(engine: zs.ZeroEngine) -> dict[str, Any]:
     """Everything a load may change: weights, optimizer states, hyperparameters, counters."""
-    states = [{k: v.clone() for k, v in engine.optimizer.inner.state.get(s.view, {}).items()}
+    inner = engine.optimizer.parts[0].inner
+    states = [{k: v.clone() for k, v in inner.state.get(s.view, {}).items()}
               for s in engine.optimizer.segments]
     return {"weights": engine.full_state_dict(), "states": states,
             "lr": [g["lr"] for g in engine.user_optimizer.param_groups],

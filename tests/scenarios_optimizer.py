@@ -214,7 +214,7 @@ def recovery(layout: str, where: str) -> dict[str, Any]:
 
 def _fail_once(engine: zs.ZeroEngine, model: Fragile, data: list[dict], where: str) -> None:
     if where == "step":
-        handle = engine.optimizer.inner.register_step_pre_hook(
+        handle = engine.optimizer.parts[0].inner.register_step_pre_hook(
             lambda *a: (_ for _ in ()).throw(Boom("step")))
         try:
             engine_step(engine, data)
@@ -268,7 +268,7 @@ def nonfinite(precision: str, policy: str) -> dict[str, Any]:
     return out
 
 
-# ---------------------------------------------------------------- 5. optimizers refused
+# ---------------------------------------------------------------- 5. where optimizers run
 class ShapeReading(torch.optim.SGD):
     """A user optimizer whose step reads each parameter's norm: not elementwise."""
 
@@ -280,21 +280,24 @@ class ShapeReading(torch.optim.SGD):
                     p.add_(p.grad / p.grad.norm().clamp_min(1e-12), alpha=-group["lr"])
 
 
-def refused_optimizers() -> dict[str, str]:
+def placements() -> dict[str, str]:
+    """Where each kind of optimizer runs: elementwise ones on shard pieces, whole-parameter
+    ones (Adafactor, a user's norm-reading step) on owning ranks, LBFGS refused."""
     out = {}
     for name, make in (("adafactor", lambda m: torch.optim.Adafactor(m.parameters())),
                        ("lbfgs", lambda m: torch.optim.LBFGS(m.parameters())),
-                       ("custom", lambda m: ShapeReading(m.parameters(), lr=0.1))):
+                       ("custom", lambda m: ShapeReading(m.parameters(), lr=0.1)),
+                       ("adamw", adamw)):
         model = Net()
         try:
-            zs.ZeroEngine(model, make(model), zs.ZeroConfig(stage=2))
-            out[name] = "no error"
+            engine = zs.ZeroEngine(model, make(model), zs.ZeroConfig(stage=2))
+            out[name] = type(engine.optimizer.parts[0]).__name__
         except ValueError as e:
             out[name] = str(e)
     model = Net()
-    zs.ZeroEngine(model, ShapeReading(model.parameters(), lr=0.1),
-                  zs.ZeroConfig(stage=2, elementwise_optimizer=True))
-    out["opt_in"] = "accepted"
+    engine = zs.ZeroEngine(model, ShapeReading(model.parameters(), lr=0.1),
+                           zs.ZeroConfig(stage=2, elementwise_optimizer=True))
+    out["opt_in"] = type(engine.optimizer.parts[0]).__name__
     return out
 
 
@@ -312,4 +315,4 @@ for _precision in ("32-true", "bf16-mixed"):
     for _policy in ("skip", "error", "off"):
         register(f"nonfinite_{_precision}_{_policy}", nonfinite, precision=_precision,
                  policy=_policy)
-register("refused_optimizers", refused_optimizers)
+register("placements", placements)

@@ -1,6 +1,6 @@
 """The optimizer contract at stages 0-3 (with offload, without prefetch), N=2 and N=3:
 the user's optimizer state_dict in torch's format, exact resume with LR schedulers, recovery
-after exceptions, non-finite gradients, optimizers that cannot run on shards.
+after exceptions, non-finite gradients, where each kind of optimizer runs.
 Scenarios: tests/scenarios_optimizer.py.
 """
 
@@ -81,14 +81,13 @@ def test_nonfinite_gradients_error_and_off(world: dict, precision: str) -> None:
         assert not r["weights_finite"], "with the check off the NaN reaches the weights"
 
 
-def test_non_elementwise_optimizers_are_refused(world: dict) -> None:
-    for r in check(world["refused_optimizers"]):
-        for name in ("adafactor", "lbfgs", "custom"):
-            assert "not one of torch's elementwise optimizers" in r[name], r[name]
-            assert "ZeroConfig(elementwise_optimizer=True)" in r[name]
-        assert "Adafactor is not" in r["adafactor"]
-        assert "ShapeReading is not" in r["custom"]
-        assert r["opt_in"] == "accepted"
+def test_whole_parameter_optimizers_are_placed_on_owners(world: dict) -> None:
+    # Parity of owner placement is tested in tests/test_matrix_optimizers.py.
+    for r in check(world["placements"]):
+        assert r["adamw"] == "ShardPart"
+        assert r["adafactor"] == "OwnerPart" and r["custom"] == "OwnerPart"
+        assert r["lbfgs"].startswith("LBFGS cannot be trained with ZeRO"), r["lbfgs"]
+        assert r["opt_in"] == "ShardPart", "a declared elementwise optimizer runs on shards"
 
 
 @pytest.mark.parametrize("field", ["initial_scale", "static_scale", "min_scale"])

@@ -12,8 +12,8 @@ from .runtime import GatherOrderError
 _install_strategy_names()  # zero1 ... zero3_offload for Lightning's Trainer and Fabric
 
 __all__ = [
-    "CheckpointError", "CombinedOptimizer", "GatherOrderError", "LossScaleConfig", "MemoryEstimate", "ZeroConfig",
-    "ZeroEngine",
+    "CheckpointError", "CombinedOptimizer", "GatherOrderError", "LossScaleConfig",
+    "MemoryEstimate", "ZeroConfig", "ZeroEngine",
     "consolidate", "estimate_memory", "write_consolidated",
 ]
 __version__ = "0.1.0"

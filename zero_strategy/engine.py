@@ -495,6 +495,8 @@ class ZeroEngine:
             placed_params=sum(p.placed_numel() for p in owner_parts),
             owned_params=sum(p.owned_numel() for p in owner_parts),
             placed_states=max((p.states_per_param() for p in owner_parts), default=0),
+            elementwise_here=sum(seg.view.numel() for p in self.optimizer.parts
+                                 for seg in p.segments) if owner_parts else None,
         )
 
     def comm_bytes(self) -> dict[str, int]:

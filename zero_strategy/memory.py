@@ -55,14 +55,16 @@ def estimate_memory(
     num_params: int, *, stage: int, world_size: int, precision: str = "32-true",
     optimizer_states: int = 2, reduce_dtype: str = "fp32", offload_optimizer: bool = False,
     offload_params: bool = False, placed_params: int = 0, owned_params: int = 0,
-    placed_states: int = 0,
+    placed_states: int = 0, elementwise_here: int | None = None,
 ) -> MemoryEstimate:
     """Model-state bytes one rank holds under the ZeRO formula (``optimizer_states``: state
     tensors per parameter, 2 for Adam). Offloaded parts count as host bytes.
 
     ``placed_params`` of the ``num_params`` are trained by an owner-placed optimizer keeping
     ``placed_states`` parameter-sized states (1 for Muon); this rank owns ``owned_params``
-    of them."""
+    of them. ``elementwise_here``: how many elements of the other parameters lie in this
+    rank's shard (flat shards cut across parameters, so with some placed ones the rest need not
+    split evenly); by default an even share."""
     if not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params must be an int >= 0, got {num_params!r}")
     if not isinstance(world_size, int) or world_size < 1:
@@ -89,8 +91,11 @@ def estimate_memory(
     shard_p, shard_g, shard_k = stage >= 3, stage >= 2, stage >= 1
     params = num_params * p // (n if shard_p else 1)
     grads = num_params * g // (n if shard_g else 1)
-    optim = (num_params * master + (num_params - placed_params) * optimizer_states * state
-             ) // (n if shard_k else 1) + owned_params * placed_states * state
+    share = n if shard_k else 1
+    if elementwise_here is None:
+        elementwise_here = (num_params - placed_params) // share
+    optim = (num_params * master // share + elementwise_here * optimizer_states * state
+             + owned_params * placed_states * state)
     host = (optim if offload_optimizer else 0) + (params if offload_params else 0)
     return MemoryEstimate(
         num_params=num_params, stage=stage, world_size=n, precision=precision,

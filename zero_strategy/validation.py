@@ -450,17 +450,20 @@ def check_tensors(path: Path, manifest: dict[str, Any],
             continue
         dtype = params[unit["slots"][0][0]]["dtype"]
         keys = sorted({k for s in unit["slots"] for k in states.get(s[0], {}).get("tensors", [])})
-        end = unit["slots"][-1][2] + unit["slots"][-1][3]
+        n = unit["shard_numel"]
         for k in range(unit["num_shards"]):
             header = headers[shard_file(k)]
-            # A shard of nothing but padding (a unit smaller than the ranks' aligned shards)
-            # has no optimizer state to write, and no read ever reaches it.
-            padding_only = k * unit["shard_numel"] >= end
+            # A shard holding no piece of a parameter with state ``key`` (only padding, or
+            # only parameters of another optimizer) has none to write, and no read of that
+            # key ever reaches it.
+            needed = {key for name, _, offset, numel, _ in unit["slots"]
+                      if offset < (k + 1) * n and offset + numel > k * n
+                      for key in states.get(name, {}).get("tensors", [])}
             for key in ["master", *keys]:
                 name = f"u{u}.{key}"
                 entry = header.get(name)
                 where = f"{path / shard_file(k)}: tensor {name!r}"
-                if entry is None and key != "master" and padding_only:
+                if entry is None and key != "master" and key not in needed:
                     continue
                 if entry is None:
                     raise CheckpointError(f"{where} is missing (the manifest's layout needs it)")
