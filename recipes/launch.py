@@ -22,13 +22,15 @@ def job_dir() -> Path:
 
 
 def check_job(cfg: DictConfig) -> None:
-    """What a worker would refuse, refused here before any worker starts: the precision
-    name, and the strategy's options as ZeroConfig reads them (field names and values)."""
+    """What a worker would refuse, refused here before any worker starts: the precision and
+    optimizer names, and the strategy's options as ZeroConfig reads them (field names and values)."""
     import schema
 
     if cfg.precision.name not in schema.PRECISIONS:
         raise ValueError(f"precision.name={cfg.precision.name!r} is not one of "
                          f"{list(schema.PRECISIONS)}")
+    if cfg.optim.name not in schema.OPTIMIZERS:
+        raise ValueError(f"optim.name={cfg.optim.name!r} is not one of {list(schema.OPTIMIZERS)}")
     if cfg.strategy.name != "ddp":
         from zero_strategy.config import ZeroConfig
 

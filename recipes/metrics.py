@@ -33,6 +33,7 @@ class JobMetrics(L.Callback):
         self.ddp_bytes = 0
         self.samples = 0
         self.timed_s = 0.0
+        self.timed_batches = 0
         self.first_loss: float | None = None
         self._t: float | None = None
         self._comm0 = 0
@@ -83,6 +84,7 @@ class JobMetrics(L.Callback):
             self.first_loss = float(loss.detach().float())
         if trainer.global_step > WARMUP_STEPS and self._t is not None:
             self.timed_s += time.perf_counter() - self._t
+            self.timed_batches += 1
             first = next(iter(batch.values()))
             self.samples += first.shape[0] * trainer.world_size
 
@@ -121,6 +123,9 @@ class JobMetrics(L.Callback):
             "stage": self.cfg.strategy.stage, "precision": self.cfg.precision.name,
             "model": f"{self.cfg.model.name}-{self.cfg.model.size}",
             "world_size": trainer.world_size, "steps": trainer.global_step,
+            "optim": self.cfg.optim.name,
+            "ms_per_batch": 1000 * self.timed_s / self.timed_batches if self.timed_batches
+            else float("nan"),
             "samples_per_s": samples_per_s, "tokens_per_s": samples_per_s * seq,
             "comm_bytes_per_step": (self._comm_total(trainer) - self._comm0) / steps,
             "first_loss": sum(r["first_loss"] for r in ranks) / len(ranks),

@@ -11,7 +11,11 @@ import data as recipe_data
 import lightning as L
 import torch
 from resume import ResumableSampler
+from torch import nn
 from torch.utils.data import DataLoader
+from transformers.pytorch_utils import Conv1D
+
+import zero_strategy as zs
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -97,8 +101,7 @@ class RecipeModule(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         cfg, total = self.hparams.optim_cfg, max(1, self.hparams.max_steps)
-        opt = torch.optim.AdamW(self.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"],
-                                betas=tuple(cfg["betas"]))
+        opt = build_optimizer(self.model, cfg)
         warmup = max(1, int(cfg["warmup_fraction"] * total))
 
         def schedule(step: int) -> float:
@@ -108,8 +111,36 @@ class RecipeModule(L.LightningModule):
             return cfg["min_lr_ratio"] + (1 - cfg["min_lr_ratio"]) * 0.5 * (
                 1 + math.cos(math.pi * progress))
 
+        # One schedule over every group (Muon's and AdamW's alike).
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def hidden_matrices(model: nn.Module) -> list[nn.Parameter]:
+    """The 2-D weights of the hidden layers: every Linear / Conv1D weight except the output
+    head's (an output projection, tied to the embedding in GPT-2 and BERT, and ResNet's
+    classifier are trained by AdamW, as Muon's authors advise)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    classifier = getattr(model, "classifier", None)
+    heads = {id(m.weight) for m in (head, classifier) if m is not None and hasattr(m, "weight")}
+    for m in (classifier.modules() if classifier is not None else []):
+        if hasattr(m, "weight"):
+            heads.add(id(m.weight))
+    return [m.weight for m in model.modules() if isinstance(m, (nn.Linear, Conv1D))
+            and m.weight.ndim == 2 and m.weight.requires_grad and id(m.weight) not in heads]
+
+
+def build_optimizer(model: nn.Module, cfg: dict[str, Any]) -> torch.optim.Optimizer:
+    adamw = {"lr": cfg["lr"], "weight_decay": cfg["weight_decay"], "betas": tuple(cfg["betas"])}
+    if cfg.get("name", "adamw") == "adamw":
+        return torch.optim.AdamW(model.parameters(), **adamw)
+    hidden = hidden_matrices(model)
+    ids = {id(p) for p in hidden}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    return zs.CombinedOptimizer([
+        torch.optim.Muon(hidden, lr=cfg["muon_lr"], momentum=cfg["muon_momentum"],
+                         weight_decay=cfg["weight_decay"]),
+        torch.optim.AdamW(rest, **adamw)])
 
 
 class RecipeData(L.LightningDataModule):

@@ -17,8 +17,9 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 COLUMNS = [
-    ("strategy", "strategy", "{}"), ("model", "model", "{}"), ("precision", "precision", "{}"),
-    ("world_size", "N", "{}"), ("samples_per_s", "samples/s", "{:.1f}"),
+    ("strategy", "strategy", "{}"), ("optim", "optimizer", "{}"), ("model", "model", "{}"),
+    ("precision", "precision", "{}"), ("world_size", "N", "{}"),
+    ("ms_per_batch", "ms/batch", "{:.0f}"), ("samples_per_s", "samples/s", "{:.1f}"),
     ("tokens_per_s", "tokens/s", "{:.0f}"), ("peak_rss_mib", "peak RSS MiB/rank", "{:.0f}"),
     ("model_state_mib", "model states MiB/rank", "{:.2f}"),
     ("predicted_mib", "ZeRO formula MiB/rank", "{:.2f}"),

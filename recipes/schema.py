@@ -96,8 +96,16 @@ class PrecisionConf:
     """Lightning's precision name; checked against ZeroConfig's list before any process starts."""
 
 
+OPTIMIZERS = ("adamw", "muon")
+
+
 @dataclass
 class OptimConf:
+    name: str = "adamw"
+    """"adamw": AdamW on every parameter; "muon": Muon on the hidden 2-D weights (every
+    Linear / Conv1D but the output head), AdamW on the rest (embeddings, norms, biases, head)."""
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
     lr: float = 1e-3
     weight_decay: float = 0.1
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])  # noqa: UP006

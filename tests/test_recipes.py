@@ -151,6 +151,7 @@ def test_floor_is_overlapped_communication_or_compute_plus_the_optimizer() -> No
 
 @pytest.mark.parametrize(("overrides", "named"), [
     (["precision.name=bf17"], "precision.name='bf17'"),
+    (["optim.name=lion"], "optim.name='lion'"),
     (["+strategy.zero.bucket_numl=5"], "bucket_numl"),  # "+" adds keys past the schema
     (["strategy=zero2", "strategy.zero.unit_numel=5"], "unit_numel"),  # stage 3 only
 ])
