@@ -23,7 +23,7 @@ def job_dir() -> Path:
 
 def check_job(cfg: DictConfig) -> None:
     """What a worker would refuse, refused here before any worker starts: the precision and
-    optimizer names, and the strategy's options as ZeroConfig reads them (field names and values)."""
+    optimizer names, and the strategy's options as ZeroConfig reads them (names and values)."""
     import schema
 
     if cfg.precision.name not in schema.PRECISIONS:

@@ -294,6 +294,28 @@ def failing_owner() -> dict[str, Any]:
             "unchanged": rel_diff(engine.full_state_dict(), before) == 0.0}
 
 
+def adding_groups() -> dict[str, str]:
+    """Groups may be added to the last optimizer only, and not to an owner-placed one."""
+    out = {}
+    for name in ("first", "owner"):  # AdamW first, Muon last
+        torch.manual_seed(0)
+        model = Net()
+        hidden, rest = split(model)
+        frozen, hidden = hidden[:1], hidden[1:]
+        frozen[0].requires_grad_(False)
+        muon = torch.optim.Muon(hidden, lr=0.02)
+        adamw = torch.optim.AdamW(rest, lr=0.01)
+        engine = zs.ZeroEngine(model, [adamw, muon], zs.ZeroConfig(stage=2))
+        frozen[0].requires_grad_(True)
+        (adamw if name == "first" else muon).add_param_group({"params": frozen})
+        try:
+            engine(batches(torch.Generator().manual_seed(0), 1)[0]["ids"])
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
 for _layout in LAYOUTS:
     register(f"muon_{_layout}", parity, kind="muon", layout=_layout)
 register("muon_s3_meta", parity, kind="muon", layout="s3", meta=True)
@@ -307,3 +329,4 @@ for _src, _dst in (("s2", "s2"), ("s2", "s0"), ("s3off", "s1")):
 if WORLD == 3:
     register("cross_world", cross_world)
 register("failing_owner", failing_owner)
+register("adding_groups", adding_groups)

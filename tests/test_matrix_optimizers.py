@@ -89,3 +89,9 @@ def test_a_failing_owner_stops_every_rank(worlds: dict, n: int) -> None:
         expected = "boom on rank 1" if rank == 1 else "failed on rank 1"
         assert expected in r["message"], r["message"]
         assert r["unchanged"], "a rank changed its weights although the step failed"
+
+
+def test_groups_added_where_numbering_or_owners_would_break_are_refused(worlds: dict) -> None:
+    for r in check(worlds[2]["adding_groups"]):
+        assert "optimizer 0 of 2: with several optimizers only the last" in r["first"], r
+        assert "placed whole on owning ranks" in r["owner"], r["owner"]

@@ -281,6 +281,7 @@ class ZeroEngine:
             self._optimizer_signature = signature
 
     def _adopt_new_parameters(self) -> None:
+        self.optimizer.check_adoptable()
         managed, group_of = _managed_parameters(self.module, self.user_optimizer, strict=False)
         new = [(n, p) for n, p in managed if id(p) not in self.param_names]
         if not new:

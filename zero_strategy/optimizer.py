@@ -182,17 +182,32 @@ class ShardedOptimizer:
                 self.parts.append(OwnerPart(opt, first, units, comm))
             first += len(opt.param_groups)
 
+    def check_adoptable(self) -> None:
+        """Groups may be added to the last optimizer only, and only to a shard-placed one:
+        groups are numbered across the optimizers, and owners are placed at construction."""
+        for k, part in enumerate(self.parts):
+            if len(part.user.param_groups) == len(part.groups):
+                continue
+            name = type(part.user).__name__
+            if k != len(self.parts) - 1:
+                raise ValueError(
+                    f"a param group was added to {name}, optimizer {k} of {len(self.parts)}: "
+                    "with several optimizers only the last may gain groups after the engine "
+                    "is built; build the others with every parameter they will train (frozen "
+                    "ones included)")
+            if not isinstance(part, ShardPart):
+                raise ValueError(
+                    f"a param group was added to {name}, whose parameters are placed whole on "
+                    "owning ranks when the engine is built; build it with every parameter it "
+                    "will train (frozen ones included)")
+
     def add_units(self, units: list[Unit]) -> None:
         """Parameters the engine took over after construction (unfrozen and added to the
         last of the user's optimizers): their pieces join its inner groups."""
         new = _segments(units, self.rank)  # self.units is the engine's list: already extended
         self.segments += new
         last = self.parts[-1]
-        if not isinstance(last, ShardPart):
-            raise ValueError(
-                f"parameters were added to {type(last.user).__name__}, whose parameters are "
-                "placed whole on owning ranks when the engine is built; build the optimizer "
-                "with every parameter it will train (frozen ones included)")
+        assert isinstance(last, ShardPart), "check_adoptable() runs first"
         last.add_segments(new)
 
     def step(self) -> None:
