@@ -135,6 +135,11 @@ def build_optimizer(model: nn.Module, cfg: dict[str, Any]) -> torch.optim.Optimi
     if cfg.get("name", "adamw") == "adamw":
         return torch.optim.AdamW(model.parameters(), **adamw)
     hidden = hidden_matrices(model)
+    if not hidden:
+        raise ValueError(
+            f"optim.name=muon: {type(model).__name__} has no hidden 2-D weights for Muon (its "
+            "convolution filters are 4-D, which torch.optim.Muon does not take); use "
+            "optim=adamw")
     ids = {id(p) for p in hidden}
     rest = [p for p in model.parameters() if id(p) not in ids]
     return zs.CombinedOptimizer([

@@ -170,3 +170,45 @@ def test_schema_lists_every_zero_config_option() -> None:
 
     fields = {f.name for f in dataclasses.fields(zs.ZeroConfig)} - {"stage", "precision"}
     assert set(schema.ZERO_OPTIONS) == fields
+
+
+@pytest.mark.parametrize("name", ["gpt", "bert"])
+def test_optim_muon_trains_hidden_matrices_with_muon_and_the_rest_with_adamw(name: str) -> None:
+    import torch
+    from models import RecipeModule
+
+    import zero_strategy as zs
+
+    cfg = _compose([f"model={name}", "model.size=tiny", "optim=muon"])
+    module = RecipeModule(dict(cfg.model), dict(cfg.optim), vocab_size=64, max_steps=10)
+    configured = module.configure_optimizers()
+    opt, sched = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+    assert isinstance(opt, zs.CombinedOptimizer)
+    muon, adamw = opt.optimizers
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    names = {id(p): n for n, p in module.model.named_parameters()}
+    on_muon = {names[id(p)] for g in muon.param_groups for p in g["params"]}
+    on_adamw = {names[id(p)] for g in adamw.param_groups for p in g["params"]}
+    assert on_muon and on_muon.isdisjoint(on_adamw)
+    assert on_muon | on_adamw == set(names.values()), "every parameter in one optimizer"
+    for n in on_muon:  # hidden 2-D weights only: no embedding, norm, bias or output head
+        assert not any(k in n for k in ("embed", "wte", "wpe", "bias", "ln", "LayerNorm",
+                                        "classifier", "lm_head", "decoder")), n
+    hidden = {"gpt": "h.0.mlp.c_fc.weight", "bert": "encoder.layer.0.intermediate.dense.weight"}
+    assert any(n.endswith(hidden[name]) for n in on_muon), sorted(on_muon)
+    opt.step()  # no gradients yet: nothing moves; lets the scheduler step without a warning
+    for _ in range(6):
+        sched.step()
+    factor = adamw.param_groups[0]["lr"] / cfg.optim.lr
+    assert factor < 1, "the cosine schedule has started"
+    assert muon.param_groups[0]["lr"] == pytest.approx(cfg.optim.muon_lr * factor), \
+        "one schedule drives both optimizers"
+
+
+def test_optim_muon_on_a_model_without_2d_hidden_weights_says_so() -> None:
+    from models import RecipeModule
+
+    cfg = _compose(["model=resnet", "model.size=tiny", "optim=muon"])
+    module = RecipeModule(dict(cfg.model), dict(cfg.optim), vocab_size=64, max_steps=10)
+    with pytest.raises(ValueError, match="no hidden 2-D weights for Muon"):
+        module.configure_optimizers()
