@@ -82,7 +82,7 @@ class ZeroEngine:
         self._prepare_unmanaged(model, {id(p) for _, p in managed})
         self.optimizer = ShardedOptimizer(
             optimizer, self.units, self.comm, self.plan.optimizer_shards,
-            self.config.elementwise_optimizer)
+            self.config.elementwise_optimizer, exchange_numel=self.plan.bucket_numel)
         self.runtime = Runtime(self.units, self.comm, model, self.plan.prefetch,
                                self.plan.check_gather_order)
         self.hooks = HookSet()

@@ -166,7 +166,8 @@ class ShardedOptimizer:
     placed on owning ranks; groups are numbered across the parts in order."""
 
     def __init__(self, user_optimizer: torch.optim.Optimizer, units: list[Unit],
-                 comm: Communicator, shards: int, declared_elementwise: bool = False) -> None:
+                 comm: Communicator, shards: int, declared_elementwise: bool = False,
+                 exchange_numel: int = 5_000_000) -> None:
         self.user = user_optimizer
         self.units = units
         self.comm = comm
@@ -179,7 +180,7 @@ class ShardedOptimizer:
             if placement(opt, declared_elementwise) == "shard":
                 self.parts.append(ShardPart(opt, first, self.segments, units))
             else:
-                self.parts.append(OwnerPart(opt, first, units, comm))
+                self.parts.append(OwnerPart(opt, first, units, comm, exchange_numel))
             first += len(opt.param_groups)
 
     def check_adoptable(self) -> None:

@@ -85,9 +85,10 @@ class OwnerPart:
     """One user optimizer, placed whole parameter by whole parameter on owning ranks."""
 
     def __init__(self, user: torch.optim.Optimizer, first_group: int, units: list[Unit],
-                 comm: Communicator) -> None:
+                 comm: Communicator, chunk_numel: int) -> None:
         self.user = user
         self.comm = comm
+        self.chunk_numel = chunk_numel
         self.groups = range(first_group, first_group + len(user.param_groups))
         found = [(u, i) for u in units for i, s in enumerate(u.layout.slots)
                  if s.group in self.groups]
@@ -176,9 +177,23 @@ class OwnerPart:
                 yield pl, sender, entry, received[offset : offset + width]
                 offset += width
 
+    def _chunks(self, active: list[Placed]) -> list[list[Placed]]:
+        """Consecutive runs of parameters of at most ``chunk_numel`` elements (or one larger
+        parameter): each run is one exchange, so the send and receive buffers stay bounded
+        (whole parameters on their owners are needed for the update anyway)."""
+        chunks: list[list[Placed]] = []
+        size = 0
+        for pl in active:
+            if not chunks or size + pl.slot.numel > self.chunk_numel:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(pl)
+            size += pl.slot.numel
+        return chunks
+
     def step(self) -> None:
         sync_hyperparameters(self.user, self.inner)
-        active = [pl for pl in self.placed if pl.unit.stepped[pl.index]]
+        chunks = self._chunks([pl for pl in self.placed if pl.unit.stepped[pl.index]])
 
         def grad_and_master(pl: Placed, entry: tuple[int, int, int]) -> list[torch.Tensor]:
             _, start, n = entry
@@ -186,17 +201,19 @@ class OwnerPart:
                     pl.unit.param_store.master[start : start + n]]
 
         whole: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for pl, _, (at, _, n), values in self._exchange(active, "sources", grad_and_master):
-            if id(pl) not in whole:
-                master = pl.unit.param_store.master
-                whole[id(pl)] = (torch.empty(pl.slot.shape, dtype=master.dtype,
-                                             device=master.device),
-                                 torch.empty(pl.slot.shape, dtype=master.dtype,
-                                             device=master.device))
-            grad, value = whole[id(pl)]
-            grad.view(-1)[at : at + n].copy_(values[:n])
-            value.view(-1)[at : at + n].copy_(values[n:])
+        for chunk in chunks:
+            for pl, _, (at, _, n), values in self._exchange(chunk, "sources", grad_and_master):
+                if id(pl) not in whole:
+                    master = pl.unit.param_store.master
+                    whole[id(pl)] = (torch.empty(pl.slot.shape, dtype=master.dtype,
+                                                 device=master.device),
+                                     torch.empty(pl.slot.shape, dtype=master.dtype,
+                                                 device=master.device))
+                grad, value = whole[id(pl)]
+                grad.view(-1)[at : at + n].copy_(values[:n])
+                value.view(-1)[at : at + n].copy_(values[n:])
         error = self._run_inner(whole)
+        del whole  # the gradients; the updated values stay attached to the handles
         self._agree(error)
 
         def updated(pl: Placed, entry: tuple[int, int, int]) -> list[torch.Tensor]:
@@ -205,10 +222,12 @@ class OwnerPart:
             return [pl.handle.data.view(-1)[at : at + n]]
 
         with torch.no_grad():
-            for pl, _, (_, start, n), values in self._exchange(active, "holds", updated):
-                pl.unit.param_store.master[start : start + n].copy_(values)
-        for pl in self.owned:
-            self._release(pl)
+            for chunk in chunks:
+                for pl, _, (_, start, n), values in self._exchange(chunk, "holds", updated):
+                    pl.unit.param_store.master[start : start + n].copy_(values)
+                for pl in chunk:
+                    if pl.owner == self.comm.rank:
+                        self._release(pl)
 
     def _run_inner(self, whole: dict[int, tuple[torch.Tensor, torch.Tensor]]
                    ) -> BaseException | None:
