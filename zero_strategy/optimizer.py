@@ -1,13 +1,14 @@
-"""The user's optimizer, rebuilt over this rank's master shards.
+"""The user's optimizers, rebuilt over what this rank holds.
 
-The inner optimizer is the same class with the same hyperparameters, given one tensor per
-parameter piece this rank owns (a view of the master shard). Elementwise optimizers (SGD, Adam,
-AdamW, ...) then compute exactly what they would on the whole parameters, and each parameter
-keeps its own state and step count, so a parameter that gets no gradient on any rank in a step
-(frozen with ``requires_grad_(False)``, or an unused expert) is skipped exactly as torch skips
-a parameter whose ``.grad`` is None. The user's optimizer object
-stays the source of hyperparameters: LR schedulers attached to it keep working because its
-groups are copied onto the inner groups before every step.
+An elementwise optimizer (SGD, Adam, AdamW, ...) becomes a ``ShardPart``: the same class with
+the same hyperparameters, given one tensor per parameter piece in this rank's shard (a view of
+the master shard); it computes exactly what it would on the whole parameters, and each
+parameter keeps its own state and step count, so a parameter that gets no gradient on any rank
+in a step (frozen, or an unused expert) is skipped exactly as torch skips a parameter whose
+``.grad`` is None. An optimizer that reads parameters whole (Muon, Adafactor) becomes an
+``owner.OwnerPart``. The user's optimizer objects stay the source of hyperparameters: LR
+schedulers attached to them keep working because their groups are copied onto the inner
+groups before every step.
 """
 
 from __future__ import annotations
