@@ -1,4 +1,5 @@
-"""Run ``recipes/accelerate_train.py`` under a real ``accelerate launch``, several at a time.
+"""Run ``recipes/accelerate_train.py`` (or a test script) under a real ``accelerate launch``,
+several at a time.
 
 Each launch costs seconds of imports, so the tests start them all up front, a few in parallel,
 and read back what each rank wrote (``rank<N>.json``) plus the launch's combined output.
@@ -35,6 +36,8 @@ class Job:
     """Name of a job that must finish first (a resume needs the saved state)."""
     launch_args: list[str] = field(default_factory=list)
     """Options for ``accelerate launch`` itself (e.g. ``--max_restarts``)."""
+    script: Path = RECIPE
+    """What runs: the recipe, or a test script taking ``--out DIR`` the same way."""
 
 
 @dataclass
@@ -59,7 +62,7 @@ def _environment(extra: dict[str, str]) -> dict[str, str]:
 
 
 def _command(job: Job) -> list[str]:
-    script = [str(RECIPE), *job.args, "--out", str(job.out)]
+    script = [str(job.script), *job.args, "--out", str(job.out)]
     if not job.launch:
         return [sys.executable, *script]
     # `accelerate launch` with this interpreter: the launch command's own entry point, which

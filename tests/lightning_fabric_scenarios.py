@@ -3,7 +3,8 @@
 Each strategy trains the same MLP on the same per-rank batches as ``Fabric(strategy="ddp")``:
 accumulation 2 through ``no_backward_sync``, ``clip_gradients(max_norm=1.0)``, AdamW with a
 StepLR schedule; saves with ``fabric.save`` at step K, and a fresh model/optimizer/scheduler
-loaded with ``fabric.load`` continues to 2K.
+loaded with ``fabric.load`` continues to 2K. Then ``fabric.setup(model, muon, adamw)`` against
+single-process training (tests/several_optimizers.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy
 from torch import nn
 
+from tests import several_optimizers as so
 from tests.hostile import forge_framework_state, forge_traversal
 from tests.models import MLP
 from zero_strategy.fabric import CLIENT_KEY, ZeroFabricStrategy
@@ -148,6 +150,75 @@ def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
                 / b[k].double().abs().max().clamp_min(1e-12)).item() for k in b)
 
 
+def setup_several(fabric: Fabric) -> tuple[Any, Any, Any, Any]:
+    model = so.build()
+    muon, adamw = so.optimizers(model)
+    sched = so.schedule(muon)
+    model, muon, adamw = fabric.setup(model, muon, adamw)
+    return model, muon, adamw, sched
+
+
+def several_optimizers(out_dir: Path) -> dict[str, Any]:
+    """``fabric.setup(model, muon, adamw)`` at stage 3: so.STEPS steps (both parts stepped, a
+    LambdaLR on the Muon part) against single-process training; one more backward with Muon
+    stepped twice (refused) and AdamW's turn; ``fabric.save`` of both before it, loaded into
+    fresh objects that replay that step (AdamW first) to the same weights; a state with only
+    one of the optimizers refused; a turn left over from before a no_sync backward refused."""
+    strategy = ZeroFabricStrategy(stage=3, unit_numel=500, param_persistence_threshold=40,
+                                  timeout=TIMEOUT)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    data = so.rank_batches(fabric.global_rank)
+    model, muon, adamw, sched = setup_several(fabric)
+    lrs = []
+    for batch in data:
+        fabric.backward(so.loss(model, batch))
+        muon.step()
+        adamw.step()  # its turn: the engine stepped both at muon.step()
+        muon.zero_grad()
+        adamw.zero_grad()
+        sched.step()
+        lrs.append([muon.param_groups[0]["lr"], adamw.param_groups[0]["lr"]])
+    final = weights(model)
+    ref = so.reference(fabric.world_size)
+    result: dict[str, Any] = {
+        "rel": so.rel_diff(final, ref[-1]["weights"]), "moved": so.moved(final), "lr": lrs,
+        "ref_lr": [r["lr"] for r in ref], "engine_steps": model._forward_module.engine.global_step}
+    ckpt = out_dir / "fabric-several.ckpt"
+    state = {"model": model, "muon": muon, "adamw": adamw, "sched": sched}
+    fabric.save(ckpt, state)
+    result["partial_save"] = _error(lambda: fabric.save(out_dir / "x.ckpt",
+                                                        {"model": model, "muon": muon}))
+    fabric.backward(so.loss(model, data[0]))
+    result["double_step"] = so.double_step(lambda: (muon.step(), muon.step()))
+    adamw.step()
+    stepped = weights(model)
+    model2, muon2, adamw2, sched2 = setup_several(fabric)
+    fabric.load(ckpt, {"model": model2, "muon": muon2, "adamw": adamw2, "sched": sched2})
+    result["loaded_lr"] = [muon2.param_groups[0]["lr"], adamw2.param_groups[0]["lr"]]
+    result["loaded_rel"] = so.rel_diff(weights(model2), final)
+    fabric.backward(so.loss(model2, data[0]))
+    adamw2.step()
+    muon2.step()
+    result["replayed_rel"] = so.rel_diff(weights(model2), stepped)
+    # A backward ends the turns of the last step: AdamW's step after a no_sync backward is the
+    # engine's step without reduced gradients (refused), not a turn left from Muon's step.
+    fabric.backward(so.loss(model2, data[1]))
+    muon2.step()
+    with fabric.no_backward_sync(model2):
+        fabric.backward(so.loss(model2, data[2]))
+    result["after_no_sync"] = _error(adamw2.step)
+    return result
+
+
+def _error(fn: Any) -> str:
+    try:
+        fn()
+    except Exception as e:  # the test asserts on the type and text
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def fabric_suite(results: Any, out_dir: Path) -> None:
     """Registers one result per strategy on ``results`` (a lightning_run.Results)."""
     ref: dict[str, Any] = {}
@@ -165,3 +236,4 @@ def fabric_suite(results: Any, out_dir: Path) -> None:
             return result
 
         results.run(f"fabric_{name}", scenario)
+    results.run("fabric_several_optimizers", lambda: several_optimizers(out_dir))

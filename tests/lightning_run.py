@@ -14,7 +14,9 @@ several seconds per process, so tests share launches):
              with accumulation 2, clipping 1.0, a per-step LR schedule and ModelCheckpoint;
              validate / test / predict; save after fit; resume from the step-K checkpoint in a
              new Trainer; evaluate from the checkpoint in a fresh Trainer; consolidate and
-             load_from_checkpoint; a bf16-mixed run; two optimizers refused.
+             load_from_checkpoint; a bf16-mixed run; two optimizers refused; Muon and AdamW
+             as one CombinedOptimizer against single-process training, resumed from a
+             checkpoint (tests/several_optimizers.py).
     fabric   the same for Fabric (tests/lightning_fabric_scenarios.py).
     init     sharded init (configure_model / init_module(empty_init=True) at stage 3) starts
              from DDP's weights and generator state (tests/lightning_init_scenarios.py).
@@ -51,6 +53,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import zero_strategy as zs  # noqa: E402
+from tests import several_optimizers as so  # noqa: E402
 from tests.hostile import forge_framework_state, forge_traversal  # noqa: E402
 from tests.lightning_fabric_scenarios import fabric_suite  # noqa: E402
 from tests.lightning_init_scenarios import init_suite  # noqa: E402
@@ -302,6 +305,67 @@ def two_optimizers() -> str:
     return "no error"
 
 
+class CombinedModule(L.LightningModule):
+    """Muon for the hidden matrices beside AdamW for the rest, returned as one
+    ``zs.CombinedOptimizer``, with a per-step LambdaLR on the Muon part only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = so.build()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return so.loss(self.net, batch)
+
+    def configure_optimizers(self) -> Any:
+        muon, adamw = so.optimizers(self.net)
+        return {"optimizer": zs.CombinedOptimizer([muon, adamw]),
+                "lr_scheduler": {"scheduler": so.schedule(muon), "interval": "step"}}
+
+
+class PartLRs(Callback):
+    """Each part's lr as each optimizer step uses it (before the scheduler's step)."""
+
+    def __init__(self) -> None:
+        self.lr: list[list[float]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        combined = trainer.optimizers[0]
+        self.lr.append([opt.param_groups[0]["lr"] for opt in combined.optimizers])
+
+
+def combined_optimizer(out: Path) -> dict[str, Any]:
+    """An epoch of so.STEPS steps at zero2 on each rank's own batches, against single-process
+    training; ``save_checkpoint`` after it, and a fresh module resumed from it for a second
+    epoch (the same batches again) against the reference's steps STEPS+1..2*STEPS."""
+    def fit(model: CombinedModule, epochs: int, ckpt: Path | None = None) -> L.Trainer:
+        data = DataLoader(so.rank_batches(rank()), batch_size=None)  # this rank's batches
+        t = trainer("zero2", -1, [lrs], max_epochs=epochs, accumulate_grad_batches=1,
+                    gradient_clip_val=None, use_distributed_sampler=False,
+                    limit_val_batches=0, num_sanity_val_steps=0)
+        t.fit(model, data, ckpt_path=ckpt)
+        return t
+
+    def net_weights(t: L.Trainer, model: CombinedModule) -> dict[str, torch.Tensor]:
+        return {k.removeprefix("net."): v for k, v in weights_of(t, model).items()}
+
+    lrs = PartLRs()
+    model = CombinedModule()
+    t = fit(model, 1)
+    ref = so.reference(2, steps=2 * so.STEPS, cycle=so.STEPS)
+    first = net_weights(t, model)
+    result: dict[str, Any] = {
+        "rel": so.rel_diff(first, ref[so.STEPS - 1]["weights"]), "moved": so.moved(first),
+        "engine_steps": t.strategy.engine.global_step,
+        "combined": type(t.optimizers[0]).__name__}
+    ckpt = out / "combined.ckpt"
+    t.save_checkpoint(ckpt)
+    resumed = CombinedModule()
+    t2 = fit(resumed, 2, ckpt)
+    result.update(lr=lrs.lr, resumed_step=t2.global_step,
+                  resumed_rel=so.rel_diff(net_weights(t2, resumed), ref[-1]["weights"]))
+    return result
+
+
 def bf16() -> dict[str, Any]:
     model, rec = MLPModule(), Recorder()
     t = trainer("zero3", 2, [rec], precision="bf16-mixed")
@@ -384,6 +448,7 @@ def trainer_suite(results: Results, out: Path) -> None:
     results.run("zero3_value", lambda: value_clip("zero3"))
     results.run("bf16", bf16)
     results.run("two_optimizers", two_optimizers)
+    results.run("combined_optimizer", lambda: combined_optimizer(out))
     results.run("finetune_zero0", lambda: finetune(ZeroStrategy(stage=0, timeout=TIMEOUT)))
     results.run("finetune_zero2", lambda: finetune("zero2"))
     results.run("finetune_zero3", lambda: finetune(ZeroStrategy(

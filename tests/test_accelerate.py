@@ -5,6 +5,7 @@ The launched runs (tests/accelerate_launch.py) all start in the module fixtures:
 ZeRO stages 1-3 and stage 3 with offload, each a full run that saves its state half-way; then
 each ZeRO variant relaunched from that state. fp32, accumulation 2, clipping at 1.0 (engaged).
 And a GPT-2 with dropout on a shuffled loader at stage 3, saved after 6 of 12 steps and resumed.
+And Muon beside AdamW prepared together at stage 2 (tests/accelerate_optimizers.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import torch
 import yaml
 
+from tests import several_optimizers as so
 from tests.accelerate_launch import CONF, Job, Outcome, run_jobs
 from zero_strategy.accelerate import CONFIG_ENV, ZeroPlugin
 from zero_strategy.config import ZeroConfig
@@ -53,7 +55,9 @@ def outcomes(work: Path) -> dict[str, Outcome]:
                 work / "gpt2", env=gpt2_env),
             Job("gpt2-resumed", [*GPT2, "--resume", gpt2_ckpt], work / "gpt2-resumed",
                 env=gpt2_env, after="gpt2"),
-            Job("ddp", ["--mode", "ddp", *COMMON], work / "ddp")]
+            Job("ddp", ["--mode", "ddp", *COMMON], work / "ddp"),
+            Job("optimizers", [], work / "optimizers",
+                script=Path(__file__).parent / "accelerate_optimizers.py")]
     for name, (plugin, overrides) in VARIANTS.items():
         env, ckpt = {CONFIG_ENV: str(CONF / plugin)}, str(work / f"{name}-ckpt")
         jobs.append(Job(name, [*COMMON, *overrides, "--save-at", str(SAVE_AT), "--save-dir", ckpt],
@@ -242,6 +246,35 @@ def test_plain_python_run_with_the_engines_fp16_loss_scaling(runs: dict[str, Out
     assert not r["grad_scaler"], "Accelerate's GradScaler must stay off"
     assert r["skipped"] == [True] * 3 and r["moved"] == 0.0
     assert len(set(r["lrs"])) == 1, "a skipped step must not advance the scheduler"
+
+
+def test_several_optimizers_match_single_process_training(runs: dict[str, Outcome]) -> None:
+    """``prepare(model, muon, adamw, scheduler)``: one engine step per optimizer step (the
+    second part's ``step()`` takes its turn), the weights of one process training on the global
+    batch, the scheduler changing the Muon part's lr only, each wrapper's ``state_dict()`` its
+    own part's (tolerance: so.TOL)."""
+    for r in _ok(runs["optimizers"]):
+        assert r["engine_steps"] == so.STEPS
+        assert r["rel"] <= so.TOL, f"weights differ from single-process training by {r['rel']}"
+        assert r["moved"] > 1e-2
+        # Accelerate steps the scheduler once per process (2) at each optimizer step.
+        assert r["lr"] == [[so.MUON_LR * so.muon_factor(2 * i), so.ADAMW_LR]
+                           for i in range(so.STEPS)]
+        muon, adamw = r["part_states"]
+        assert list(muon) == ["0", "1", "2"] and all(k == ["momentum_buffer"]
+                                                     for k in muon.values())
+        assert len(adamw) == 9 and all(k == ["exp_avg", "exp_avg_sq", "step"]
+                                       for k in adamw.values())
+
+
+def test_several_optimizers_double_step_and_state_round_trip(runs: dict[str, Outcome]) -> None:
+    """Muon stepped twice after one backward is refused; ``load_state`` restores both parts'
+    weights, states and lrs exactly: the step replayed after it (AdamW first) gives the same
+    weights as the step before it."""
+    for r in _ok(runs["optimizers"]):
+        assert "optimizer 0 (Muon) was stepped twice without a backward" in r["double_step"]
+        assert r["loaded_lr"] == [so.MUON_LR * so.muon_factor(2 * so.STEPS), so.ADAMW_LR]
+        assert r["loaded_rel"] == 0.0 and r["replayed_rel"] == 0.0
 
 
 # ------------------------------------------------------------------------ plugin config

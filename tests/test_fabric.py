@@ -12,6 +12,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from torch import nn
 
+from tests import several_optimizers as so
 from tests.lightning_launch import check, suite_results
 from zero_strategy.fabric import PRESETS, ZeroFabricPrecision, ZeroFabricStrategy
 
@@ -69,6 +70,32 @@ def test_load_refuses_forged_checkpoints_before_changing_anything(suite: dict) -
             assert got["untouched"] and not got["marker"], (name, got)
 
 
+def test_several_optimizers_match_single_process_training(suite: dict) -> None:
+    """``fabric.setup(model, muon, adamw)`` at stage 3 trained as ``muon.step();
+    adamw.step()``: one engine step per pair, the weights of one process training on the global
+    batch, the LambdaLR on the Muon part changing its lr only."""
+    for r in check(suite["fabric_several_optimizers"]):
+        assert r["engine_steps"] == so.STEPS, "the second part's step() must only take its turn"
+        assert r["rel"] <= so.TOL, f"weights differ by {r['rel']}"
+        assert r["moved"] > 1e-2
+        assert r["lr"] == r["ref_lr"] == [[so.MUON_LR * so.muon_factor(i + 1), so.ADAMW_LR]
+                                          for i in range(so.STEPS)]
+
+
+def test_several_optimizers_double_step_save_and_load(suite: dict) -> None:
+    """Muon stepped twice after one backward is refused (AdamW's turn still comes); fabric.save
+    of both, loaded into fresh objects, restores weights and lrs, and replaying the step (AdamW
+    first) gives the same weights; a state with one of the two optimizers is refused; after a
+    no_sync backward, the optimizer not yet stepped cannot use a turn left from before it."""
+    for r in check(suite["fabric_several_optimizers"]):
+        assert "optimizer 0 (Muon) was stepped twice without a backward" in r["double_step"]
+        assert r["loaded_rel"] == 0.0 and r["replayed_rel"] == 0.0
+        assert r["loaded_lr"] == r["lr"][-1]
+        assert r["partial_save"].startswith("ValueError") and "['muon']" in r["partial_save"]
+        assert "optimizer 1 (AdamW)" in r["partial_save"]
+        assert "step needs reduced gradients" in r["after_no_sync"], r["after_no_sync"]
+
+
 def test_registered_names_and_precision() -> None:
     for name, preset in PRESETS.items():
         assert name in STRATEGY_REGISTRY, name
@@ -91,8 +118,5 @@ def test_bad_input_is_refused_before_launch() -> None:
         ZeroFabricStrategy(offload=True)
     strategy = ZeroFabricStrategy(stage=2)
     model = nn.Linear(2, 2)
-    opts = [torch.optim.SGD([model.weight], lr=0.1), torch.optim.SGD([model.bias], lr=0.1)]
-    with pytest.raises(ValueError, match="one optimizer per model, got 2"):
-        strategy.setup_module_and_optimizers(model, opts)
     with pytest.raises(RuntimeError, match="setup_module_and_optimizers"):
-        strategy.setup_optimizer(opts[0])
+        strategy.setup_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))

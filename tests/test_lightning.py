@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import zero_strategy as zs
+from tests import several_optimizers as so
 from tests.lightning_launch import ROOT, check, run_script, suite_results
 from zero_strategy.fabric import PRESETS, _hydra_cli_flags
 from zero_strategy.lightning import ZeroPrecision, ZeroStrategy
@@ -172,7 +173,23 @@ def test_bf16_mixed_flag_reaches_the_engine(suite: dict) -> None:
 
 def test_two_optimizers_refused(suite: dict) -> None:
     for message in check(suite["two_optimizers"]):
-        assert "exactly one optimizer" in message and "returned 2" in message
+        assert "returned 2" in message and "zero_strategy.CombinedOptimizer([" in message
+
+
+def test_combined_optimizer(suite: dict) -> None:
+    """configure_optimizers returns CombinedOptimizer([muon, adamw]) with a LambdaLR on the
+    Muon part: one engine step per optimizer step, the weights of single-process training
+    (tolerance: so.TOL), the Muon part's lr scheduled and AdamW's
+    not; resumed from trainer.save_checkpoint by a fresh module for a second epoch, both the
+    weights and the schedule continue as in the uninterrupted reference."""
+    for r in check(suite["combined_optimizer"]):
+        assert r["combined"] == "CombinedOptimizer" and r["engine_steps"] == so.STEPS
+        assert r["rel"] <= so.TOL, f"weights differ by {r['rel']}"
+        assert r["moved"] > 1e-2
+        assert r["lr"] == [[so.MUON_LR * so.muon_factor(i), so.ADAMW_LR]
+                           for i in range(2 * so.STEPS)]
+        assert r["resumed_step"] == 2 * so.STEPS
+        assert r["resumed_rel"] <= so.TOL, f"resumed weights differ by {r['resumed_rel']}"
 
 
 # ---------------------------------------------------------------------- Hydra
@@ -279,7 +296,7 @@ def test_bad_options_name_the_field() -> None:
 
 
 @pytest.mark.parametrize("module, kwargs, match", [
-    (TwoOptimizers, {}, "exactly one optimizer.*returned 2"),
+    (TwoOptimizers, {}, r"returned 2.*CombinedOptimizer\(\[muon, adamw\]\)"),
 ])
 def test_refused_before_any_process_starts(module: type, kwargs: dict, match: str) -> None:
     trainer = make_trainer("zero2", **kwargs)

@@ -20,6 +20,11 @@ process control stay Accelerate's own::
     accelerator.save_state("ckpt")                # sharded; every rank calls it
     state = accelerator.get_state_dict(model)     # consolidated fp32, the user's keys
 
+Several optimizers over disjoint parameter sets (Muon for the hidden matrices, AdamW for the
+rest) train one engine: ``model, muon, adamw, sched = accelerator.prepare(model, muon, adamw,
+sched)``. The first ``.step()`` of any of them after a backward steps them all (one ZeRO step);
+each other one's ``.step()`` then only takes its turn; schedulers prepared per part work.
+
 Launch (CPU with gloo, or GPUs with nccl; the accelerate config is an ordinary multi-process one)::
 
     ZERO_STRATEGY_CONFIG=conf/accelerate/zero3.yaml \\
@@ -56,8 +61,8 @@ Differences from plain Accelerate, all because the state is sharded:
 - ``save_state`` writes Accelerate's own files (schedulers, samplers, RNG per rank, step,
   registered objects) and the engine's sharded checkpoint in ``zero_checkpoint/``, then waits
   for every rank. The engine part loads on any world size and stage.
-- One ZeRO model per accelerator, prepared together with its optimizer; other models (e.g. a
-  frozen teacher) get Accelerate's usual preparation. Accelerate's dynamo settings are not
+- One ZeRO model per accelerator, prepared together with its optimizer(s); other models (e.g.
+  a frozen teacher) get Accelerate's usual preparation. Accelerate's dynamo settings are not
   applied to the ZeRO model.
 
 Not about sharding: ``skip_first_batches`` returns a loader whose iterator does not draw from
@@ -91,6 +96,7 @@ from . import collectives, reshard
 from .checkpoint import CheckpointError
 from .config import PRECISIONS, LossScaleConfig, ZeroConfig
 from .engine import ZeroEngine
+from .stepping import StepTurns
 from .validation import member, refusal
 
 CONFIG_ENV = "ZERO_STRATEGY_CONFIG"
@@ -289,34 +295,39 @@ class ZeroModel(nn.Module):
 
 
 class ZeroOptimizer(AcceleratedOptimizer):
-    """What ``prepare`` returns for the optimizer: ``step``/``zero_grad`` drive the engine on
+    """What ``prepare`` returns for each optimizer: ``step``/``zero_grad`` drive the engine on
     the micro-batches where Accelerate synchronises gradients, and do nothing on the others.
+    With several optimizers, the first ``step()`` after a backward steps all of them and the
+    others' ``step()`` take their turn (``turns``, shared by the model's optimizers).
 
     ``param_groups`` are the user's optimizer's, so schedulers and manual lr changes work (the
     engine copies them onto its inner, sharded optimizer at every step).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine,
+                 turns: StepTurns) -> None:
         super().__init__(optimizer, device_placement=False, scaler=None)
         self.engine = engine
+        self.turns = turns
 
     def step(self, closure: Any = None) -> None:
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure")
         if self.gradient_state.sync_gradients:
-            self._is_overflow = not self.engine.step()  # False: fp16 overflow, step skipped
+            # False: non-finite gradients (fp16 overflow), the step was skipped for all parts.
+            self._is_overflow = not self.turns.step(self.optimizer)
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         if self.gradient_state.sync_gradients:
             self.engine.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
-        """The whole optimizer state in torch's format (a collective that materialises it;
+        """This optimizer's whole state in torch's format (a collective that materialises it;
         ``accelerator.save_state()`` writes shards instead)."""
-        return self.engine.optimizer_state_dict()
+        return self.optimizer.state_dict()  # the engine's, through the user's object
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.engine.load_optimizer_state_dict(state_dict)
+        self.optimizer.load_state_dict(state_dict)
 
 
 # ---------------------------------------------------------------------------------- accelerator
@@ -324,8 +335,8 @@ class ZeroAccelerator(Accelerator):
     """``Accelerator`` whose prepared model and optimizer are trained by ``ZeroEngine``.
 
     Takes ``Accelerator``'s keyword arguments plus ``zero_plugin`` (default:
-    ``ZeroPlugin.from_config()``). One model and its optimizer per accelerator, passed to the
-    same ``prepare`` call. Multi-process CPU launches need no ``cpu=True``: without an
+    ``ZeroPlugin.from_config()``). One model and its optimizer(s) per accelerator, passed to
+    the same ``prepare`` call. Multi-process CPU launches need no ``cpu=True``: without an
     accelerator device it is set, which is what makes Accelerate use gloo across processes.
     """
 
@@ -355,7 +366,8 @@ class ZeroAccelerator(Accelerator):
         self.zero_plugin = plugin
         self.zero_config = config
         self._zero_model: ZeroModel | None = None
-        self._zero_optimizer: ZeroOptimizer | None = None
+        self._zero_optimizers: list[ZeroOptimizer] = []
+        self._zero_turns: StepTurns | None = None
         _ensure_process_group(self.device, self.num_processes)
 
     @property
@@ -371,18 +383,21 @@ class ZeroAccelerator(Accelerator):
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
-        """The model trained by ZeRO is the one the optimizer was built on, passed in the same
-        call; data loaders, schedulers and any other model get Accelerate's own preparation."""
-        pair = self._zero_pair(args)
-        if pair is None:
+        """The model trained by ZeRO is the one the optimizer(s) were built on, passed in the
+        same call (several optimizers: one engine over all of them, one wrapper each); data
+        loaders, schedulers and any other model get Accelerate's own preparation."""
+        found = self._zero_positions(args)
+        if found is None:
             return super().prepare(*args, device_placement=device_placement)
         placements = list(device_placement) if device_placement else [None] * len(args)
         if len(placements) != len(args):
             raise ValueError(f"device_placement should have {len(args)} elements, one per object")
-        m, o = pair
+        m, opts = found
         results = list(args)
-        results[m], results[o] = self._build_engine(args[m], args[o], placements[m])
-        rest = [i for i in range(len(args)) if i not in pair]
+        results[m], wrappers = self._build_engine(args[m], [args[o] for o in opts], placements[m])
+        for o, wrapper in zip(opts, wrappers):
+            results[o] = wrapper
+        rest = [i for i in range(len(args)) if i != m and i not in opts]
         if rest:
             prepared = super().prepare(*(args[i] for i in rest),
                                        device_placement=[placements[i] for i in rest])
@@ -391,8 +406,9 @@ class ZeroAccelerator(Accelerator):
                 results[i] = obj
         return tuple(results) if len(results) > 1 else results[0]
 
-    def _zero_pair(self, args: tuple[Any, ...]) -> tuple[int, int] | None:
-        """Positions of (model, optimizer) for the engine, or None when the call has neither."""
+    def _zero_positions(self, args: tuple[Any, ...]) -> tuple[int, list[int]] | None:
+        """Positions of the model and its optimizers for the engine, or None when the call has
+        neither."""
         models = [i for i, a in enumerate(args)
                   if isinstance(a, nn.Module) and not isinstance(a, ZeroModel)]
         optimizers = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)
@@ -404,19 +420,16 @@ class ZeroAccelerator(Accelerator):
                     "call (the engine shards them together): prepare(model, optimizer, ...)"
                 )
             return None  # e.g. only data loaders, or a frozen extra model after the ZeRO one
-        if len(optimizers) > 1:
-            raise ValueError(f"ZeroAccelerator trains one model with one optimizer; this call "
-                             f"has {len(optimizers)} optimizers")
-        optimizer = args[optimizers[0]]
-        first = optimizer.param_groups[0]["params"][0]
-        owners = [i for i in models if any(p is first for p in args[i].parameters())]
-        if not owners:
-            raise ValueError("prepare() got an optimizer but not the model it was built on; "
-                             "pass them in the same call")
-        return owners[0], optimizers[0]
+        owners = {o: _model_of(args, o, models) for o in optimizers}
+        if len(set(owners.values())) > 1:
+            raise ValueError(
+                "ZeroAccelerator trains one model, with all of its optimizers: the optimizers "
+                f"of this prepare() call (arguments {optimizers}) are built on different models "
+                f"(arguments {sorted(set(owners.values()))})")
+        return owners[optimizers[0]], optimizers
 
-    def _build_engine(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                      placement: bool | None) -> tuple[ZeroModel, ZeroOptimizer]:
+    def _build_engine(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],
+                      placement: bool | None) -> tuple[ZeroModel, list[ZeroOptimizer]]:
         if self._zero_model is not None:
             raise ValueError("ZeroAccelerator trains one model; it already prepared one")
         if self.device_placement if placement is None else placement:
@@ -424,13 +437,15 @@ class ZeroAccelerator(Accelerator):
         if self.state.dynamo_plugin.backend != DynamoBackend.NO:
             warnings.warn("ZeroAccelerator does not torch.compile the ZeRO model; the accelerate "
                           "config's dynamo settings are ignored for it", stacklevel=3)
-        engine = ZeroEngine(model, optimizer, self.zero_config)
-        self._zero_model, self._zero_optimizer = ZeroModel(engine), ZeroOptimizer(optimizer, engine)
-        for obj in (self._zero_model, self._zero_optimizer):
+        engine = ZeroEngine(model, optimizers, self.zero_config)  # several: checked disjoint
+        self._zero_turns = turns = StepTurns(engine)
+        self._zero_model = ZeroModel(engine)
+        self._zero_optimizers = [ZeroOptimizer(opt, engine, turns) for opt in optimizers]
+        for obj in (self._zero_model, *self._zero_optimizers):
             obj._is_accelerate_prepared = True
         self._models.append(self._zero_model)
-        self._optimizers.append(self._zero_optimizer)  # found by prepare_scheduler
-        return self._zero_model, self._zero_optimizer
+        self._optimizers.extend(self._zero_optimizers)  # found by prepare_scheduler
+        return self._zero_model, self._zero_optimizers
 
     # ------------------------------------------------------------------ training loop
     @contextlib.contextmanager
@@ -448,6 +463,8 @@ class ZeroAccelerator(Accelerator):
             return super().backward(loss, **kwargs)
         if kwargs.pop("learning_rate", None) is not None:
             raise ValueError("learning_rate= (LOMO optimizers) is not supported by ZeroAccelerator")
+        if self._zero_turns is not None:
+            self._zero_turns.backward()
         # Same averaging over the accumulation window as Accelerate; fp16 scaling is the engine's.
         self.engine.backward(loss / self.gradient_accumulation_steps, **kwargs)
 
@@ -580,7 +597,8 @@ class ZeroAccelerator(Accelerator):
         state dict: everything else it checkpoints keeps its native format."""
         models, optimizers = self._models, self._optimizers
         self._models = [m for m in models if m is not self._zero_model]
-        self._optimizers = [o for o in optimizers if o is not self._zero_optimizer]
+        self._optimizers = [o for o in optimizers
+                            if not any(o is z for z in self._zero_optimizers)]
         try:
             yield
         finally:
@@ -589,11 +607,22 @@ class ZeroAccelerator(Accelerator):
     def free_memory(self, *objects: Any) -> Any:
         if self._zero_model is not None:
             self.engine.close()
-            self._zero_model = self._zero_optimizer = None
+            self._zero_model, self._zero_optimizers, self._zero_turns = None, [], None
         return super().free_memory(*objects)
 
 
 # ---------------------------------------------------------------------------------- helpers
+def _model_of(args: tuple[Any, ...], optimizer: int, models: list[int]) -> int:
+    """Position of the model ``args[optimizer]`` was built on (its first parameter's)."""
+    first = args[optimizer].param_groups[0]["params"][0]
+    owners = [i for i in models if any(p is first for p in args[i].parameters())]
+    if not owners:
+        raise ValueError(
+            f"prepare() got an optimizer ({type(args[optimizer]).__name__}, argument "
+            f"{optimizer}) but not the model it was built on; pass them in the same call")
+    return owners[0]
+
+
 # The files Accelerate's load_state reads from a state folder, by name.
 _ACCELERATE_FILES = re.compile(
     r"(model|pytorch_model|optimizer|scheduler|sampler|dl_state_dict)(_\d+)?\.(bin|safetensors)"

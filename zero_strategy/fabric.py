@@ -4,6 +4,9 @@
 ``fabric.setup`` builds one engine per model, ``fabric.backward`` / ``clip_gradients`` /
 ``optimizer.step()`` go to it, ``fabric.no_backward_sync`` is ``engine.no_sync()`` and
 ``fabric.save`` / ``fabric.load`` write and read the engine's sharded checkpoint directory.
+``fabric.setup(model, muon, adamw)`` builds one engine over several optimizers (disjoint
+parameter sets); the first ``.step()`` of any of them after a backward steps them all
+(``stepping.StepTurns``).
 
 Fabric is the lower layer of Lightning (``lightning.pytorch`` imports ``lightning.fabric``), so
 the pieces both adapters need live here: presets, config and precision merging, the module
@@ -37,6 +40,7 @@ from . import collectives, reshard
 from .config import PRECISIONS, ZeroConfig
 from .engine import ZeroEngine
 from .materialize import meta_init
+from .stepping import StepTurns
 
 # Mirrors Lightning's deepspeed_stage_* presets: "_offload" moves what the stage shards to CPU.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -432,7 +436,8 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
 
 
 class ZeroFabricStrategy(DDPStrategy):
-    """``Fabric(strategy="zero3")``: one ``ZeroEngine`` per ``fabric.setup(model, optimizer)``.
+    """``Fabric(strategy="zero3")``: one ``ZeroEngine`` per ``fabric.setup(model, optimizer)``
+    (or ``fabric.setup(model, opt1, opt2, ...)``: one engine over all of them).
 
     Args:
         config: the full engine config; ``**options`` (ZeroConfig fields) override its fields.
@@ -462,6 +467,7 @@ class ZeroFabricStrategy(DDPStrategy):
         self._precision_explicit = precision_explicit(config, options)
         self._param_init_fn = param_init_fn
         self._modules: list[EngineModule] = []
+        self._turns: dict[int, StepTurns] = {}  # by id(engine)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices,
             cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -509,12 +515,9 @@ class ZeroFabricStrategy(DDPStrategy):
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None,
     ) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:
-        if len(optimizers) != 1:
-            raise ValueError(
-                f"{type(self).__name__} shards one optimizer per model, got {len(optimizers)}: "
-                "set up each model with its own optimizer (fabric.setup(model, optimizer))"
-            )
-        return self._wrap(module, optimizers[0]), optimizers, scheduler
+        """One engine over ``optimizers`` (several must hold disjoint parameter sets, e.g.
+        Muon for the hidden matrices and AdamW for the rest); Fabric wraps each of them."""
+        return self._wrap(module, optimizers), optimizers, scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """A model set up without an optimizer (inference): sharded with a stateless one."""
@@ -524,11 +527,13 @@ class ZeroFabricStrategy(DDPStrategy):
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         raise RuntimeError(self._err_msg_joint_setup_required())
 
-    def _wrap(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> EngineModule:
+    def _wrap(self, module: nn.Module,
+              optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer]) -> EngineModule:
         engine = ZeroEngine(module, optimizer, self.config, device=self.root_device,
                             param_init_fn=self._param_init_fn)
         wrapped = EngineModule(engine)
         self._modules.append(wrapped)
+        self._turns[id(engine)] = StepTurns(engine)
         return wrapped
 
     # ------------------------------------------------------------------ training
@@ -540,7 +545,7 @@ class ZeroFabricStrategy(DDPStrategy):
             return module.engine
         if optimizer is not None:
             for wrapped in self._modules:
-                if wrapped.engine.user_optimizer is optimizer:
+                if self._turns[id(wrapped.engine)].covers(optimizer):
                     return wrapped.engine
         elif self._modules:
             return max(self._modules, key=lambda m: m.calls).engine
@@ -551,15 +556,19 @@ class ZeroFabricStrategy(DDPStrategy):
 
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any,
                  **kwargs: Any) -> None:
-        self._engine_for(module).backward(tensor, **backward_kwargs(args, kwargs))
+        engine = self._engine_for(module)
+        self._turns[id(engine)].backward()
+        engine.backward(tensor, **backward_kwargs(args, kwargs))
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """The engine's step for all of the model's optimizers at the first ``.step()`` of
+        any of them after a backward; the others' ``.step()`` then only take their turn."""
         closure = kwargs.pop("closure", None)
         if kwargs:
             raise TypeError(f"optimizer.step() options {sorted(kwargs)} are not supported")
         result = closure() if closure is not None else None
         engine = self._engine_for(optimizer=optimizer)
-        engine.step()
+        self._turns[id(engine)].step(optimizer)
         return result
 
     def clip_gradients_norm(
@@ -587,6 +596,7 @@ class ZeroFabricStrategy(DDPStrategy):
         engines: dict[int, ZeroEngine] = {}
         kinds: dict[str, str] = {}
         rest: dict[str, Any] = {}
+        optimizers: dict[str, torch.optim.Optimizer] = {}
         for key, obj in state.items():
             if isinstance(obj, EngineModule):
                 engine, kinds[key] = obj.engine, "module"
@@ -595,16 +605,19 @@ class ZeroFabricStrategy(DDPStrategy):
                                  f"with {type(self).__name__}: set it up before saving/loading")
             elif isinstance(obj, torch.optim.Optimizer):
                 engine, kinds[key] = self._engine_for(optimizer=obj), "optimizer"
+                optimizers[key] = obj
             else:
                 rest[key] = obj
                 continue
             engines[id(engine)] = engine
         if len(engines) != 1:
             raise ValueError(
-                f"{type(self).__name__} saves and loads one set-up model (and its optimizer) per "
-                f"checkpoint; the state holds {len(engines)}: {sorted(kinds)}"
+                f"{type(self).__name__} saves and loads one set-up model (and its optimizers) "
+                f"per checkpoint; the state holds {len(engines)}: {sorted(kinds)}"
             )
-        return next(iter(engines.values())), kinds, rest
+        engine = next(iter(engines.values()))
+        _check_all_optimizers(engine, optimizers)
+        return engine, kinds, rest
 
     def save_checkpoint(
         self, path: _PATH, state: dict[str, Any], storage_options: Any | None = None,
@@ -657,6 +670,7 @@ class ZeroFabricStrategy(DDPStrategy):
         for wrapped in self._modules:
             wrapped.engine.close()
         self._modules.clear()
+        self._turns.clear()
         super().teardown()
 
     @classmethod
@@ -664,6 +678,24 @@ class ZeroFabricStrategy(DDPStrategy):
         for name, preset in PRESETS.items():
             strategy_registry.register(name, cls, description=PRESET_DESCRIPTIONS[name],
                                        override=True, **preset)
+
+
+def _check_all_optimizers(engine: ZeroEngine, given: dict[str, torch.optim.Optimizer]) -> None:
+    """The engine checkpoints a model's optimizers together (one sharded state): a fabric state
+    that holds some of them must hold all, or loading would change the ones left out."""
+    if not given:
+        return
+    parts = engine.user_optimizers
+    covered = {id(p) for opt in given.values()
+               for p in (parts if opt is engine.user_optimizer else [opt])}
+    missing = [f"optimizer {k} ({type(p).__name__})" for k, p in enumerate(parts)
+               if id(p) not in covered]
+    if missing:
+        raise ValueError(
+            f"the state holds the optimizer(s) {sorted(given)} but not {', '.join(missing)} of "
+            "the same model: its optimizers are saved and loaded together, so put every "
+            "optimizer fabric.setup returned for it in the state"
+        )
 
 
 def _is_stateful(obj: Any) -> bool:

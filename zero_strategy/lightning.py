@@ -15,7 +15,10 @@ How Lightning's calls reach the engine:
 - Lightning swaps the precision plugin of a strategy it does not know for its own (autocast,
   GradScaler, torch clipping); our setter takes that plugin's precision name instead, so the
   engine's loss scaling and sharded clipping always run;
-- checkpoints are the engine's sharded directories plus one file of Lightning state.
+- checkpoints are the engine's sharded directories plus one file of Lightning state;
+- several optimizers over disjoint parameter sets (Muon for the hidden matrices, AdamW for the
+  rest): ``configure_optimizers`` returns ``zero_strategy.CombinedOptimizer([muon, adamw])``,
+  one optimizer to Lightning, whose ``lr_scheduler`` entries may each drive one part.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from .combined import CombinedOptimizer
 from .config import ZeroConfig
 from .engine import ZeroEngine
 from .fabric import (
@@ -145,9 +149,35 @@ class ZeroPrecision(Precision):
 
 def _one_optimizer_message(count: int) -> str:
     return (
-        f"ZeroStrategy shards exactly one optimizer, but configure_optimizers returned {count}; "
-        "return one optimizer (with several param groups if needed)"
+        f"ZeroStrategy trains a LightningModule with one optimizer object, but "
+        f"configure_optimizers returned {count}. For several optimizers over disjoint "
+        "parameter sets (e.g. Muon for the hidden matrices, AdamW for the rest) return "
+        "zero_strategy.CombinedOptimizer([muon, adamw]): one optimizer to Lightning (automatic "
+        "optimization works), each part with its own param groups; an lr_scheduler may be "
+        "attached to any part"
     )
+
+
+@contextmanager
+def _schedulers_on_parts() -> Iterator[None]:
+    """Lightning accepts a scheduler only on an optimizer ``configure_optimizers`` returned; a
+    scheduler on a part of a returned ``CombinedOptimizer`` is one too (the part's param groups
+    are the combined optimizer's). While Lightning sets the optimizers up, its check (looked up
+    by name in ``lightning.pytorch.core.optimizer``) also accepts the parts."""
+    import lightning.pytorch.core.optimizer as lightning_optimizer
+
+    original = lightning_optimizer._validate_optimizers_attached
+
+    def check(optimizers: list[Any], configs: list[Any]) -> None:
+        parts = [p for opt in optimizers if isinstance(opt, CombinedOptimizer)
+                 for p in opt.optimizers]
+        original([*optimizers, *parts], configs)
+
+    lightning_optimizer._validate_optimizers_attached = check
+    try:
+        yield
+    finally:
+        lightning_optimizer._validate_optimizers_attached = original
 
 
 def _count_optimizers(model: pl.LightningModule) -> int | None:
@@ -304,6 +334,11 @@ class ZeroStrategy(DDPStrategy):
         if self._engine is not None:
             self.model = EngineModule(self._engine)
         self.setup_precision_plugin()
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """Lightning's, with LR schedulers allowed on the parts of a ``CombinedOptimizer``."""
+        with _schedulers_on_parts():
+            super().setup_optimizers(trainer)
 
     def _fit_optimizer(self, trainer: pl.Trainer) -> torch.optim.Optimizer:
         self.setup_optimizers(trainer)
