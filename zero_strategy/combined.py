@@ -9,7 +9,7 @@ part and one on the whole change the same values); the engine numbers groups in 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from typing import Any
 
 import torch
@@ -38,12 +38,10 @@ class CombinedOptimizer(torch.optim.Optimizer):
         return [g for opt in self.optimizers for g in opt.param_groups]
 
     @property  # type: ignore[override]
-    def state(self) -> dict[torch.Tensor, Any]:
-        """Every part's state, merged (read-only view; each part owns its own)."""
-        merged: dict[torch.Tensor, Any] = {}
-        for opt in self.optimizers:
-            merged.update(opt.state)
-        return merged
+    def state(self) -> PartsState:
+        """Every part's state as one mapping; a write goes to the part holding the parameter
+        (Lightning moves optimizer state between devices through it)."""
+        return PartsState(self.optimizers)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"optimizers": self.optimizers}
@@ -85,6 +83,39 @@ class CombinedOptimizer(torch.optim.Optimizer):
                 "nothing was loaded")
         for opt, part in zip(self.optimizers, parts):
             opt.load_state_dict(part)
+
+
+class PartsState(MutableMapping):
+    """The parts' ``state`` dicts seen as one, keyed by parameter."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+    def _holder(self, param: torch.Tensor) -> torch.optim.Optimizer:
+        for opt in self.optimizers:
+            if param in opt.state or any(p is param for g in opt.param_groups
+                                         for p in g["params"]):
+                return opt
+        raise KeyError("not a parameter of any part of this CombinedOptimizer")
+
+    def __getitem__(self, param: torch.Tensor) -> Any:
+        for opt in self.optimizers:
+            if param in opt.state:
+                return opt.state[param]
+        raise KeyError("no state for this parameter")
+
+    def __setitem__(self, param: torch.Tensor, value: Any) -> None:
+        self._holder(param).state[param] = value
+
+    def __delitem__(self, param: torch.Tensor) -> None:
+        del self._holder(param).state[param]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for opt in self.optimizers:
+            yield from opt.state
+
+    def __len__(self) -> int:
+        return sum(len(opt.state) for opt in self.optimizers)
 
 
 def flatten(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:

@@ -163,6 +163,12 @@ class ZeroEngine:
                 "first (the last micro-batch of an accumulation window must synchronise)"
             )
 
+    @property
+    def grads_pending(self) -> bool:
+        """Whether reduced gradients wait for ``step()`` (a synchronising backward ran since
+        the last step or ``zero_grad()``)."""
+        return bool(self.runtime.grads_pending_step)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm of the whole gradient (over all shards); returns that norm."""
         self._require_reduced_grads("clip_grad_norm_")

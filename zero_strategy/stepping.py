@@ -55,7 +55,7 @@ class StepTurns:
         ids = self._part_ids(optimizer)
         # Reduced gradients pending: a synchronising backward ran since the engine's last
         # step (its zero_grad clears them), so this is the first .step() of a new step.
-        if self.engine.runtime.grads_pending_step:
+        if self.engine.grads_pending:
             self._result = self.engine.step()
             self._waiting = set(self._all_ids()) - ids
             self._stepped = set(ids)
