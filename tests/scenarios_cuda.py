@@ -81,6 +81,51 @@ def parity(stage: int, precision: str = "32-true", accumulate: int = 1, steps: i
             "master_devices": sorted({u.param_store.master.device.type for u in engine.units})}
 
 
+def muon_parity(stage: int, steps: int = 4, **extra: Any) -> dict[str, Any]:
+    """[Muon(hidden matrices), AdamW(rest)] placed on owners, against the global batch in one
+    process; ``noise``: where DDP's rounding of the same gradient (per-rank gradients averaged
+    in float64, AdamW's fused kernel) lands, since Muon's bf16 Newton-Schulz can amplify a
+    last-bit difference."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def optimizers(m: nn.Module, fused: bool | None = None) -> list[torch.optim.Optimizer]:
+        hidden = [b[0].weight for b in m.blocks]
+        ids = {id(p) for p in hidden}
+        rest = [p for p in m.parameters() if id(p) not in ids]
+        return [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=0.01, fused=fused)]
+
+    torch.manual_seed(0)
+    ref = MLP().to(_device())
+    twin, model = copy.deepcopy(ref), copy.deepcopy(ref)
+    # The twin also runs AdamW's fused kernel (the engine's choice on shards): another valid
+    # implementation, whose last-bit differences Muon's bf16 may amplify alike.
+    ref_opts, twin_opts = optimizers(ref), optimizers(twin, fused=True)
+    engine = zs.ZeroEngine(model, optimizers(model), _config(stage, **extra))
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        data = [_on(batch("mlp", gen)) for _ in range(world)]
+        (sum(loss_of("mlp", ref, d) for d in data) / world).backward()
+        total: dict[str, torch.Tensor] = {}
+        for d in data:
+            twin.zero_grad(set_to_none=True)
+            loss_of("mlp", twin, d).backward()
+            for n, p in twin.named_parameters():
+                total[n] = total.get(n, 0) + p.grad.double() / world
+        for n, p in twin.named_parameters():
+            p.grad = total[n].float()
+        for opt in ref_opts + twin_opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        engine.backward(loss_of("mlp", engine, data[rank]))
+        engine.step()
+    got, want, other = engine.full_state_dict(), ref.state_dict(), twin.state_dict()
+
+    def rel(a: dict[str, torch.Tensor]) -> float:
+        return max(float((a[k].float().to(_device()) - want[k]).abs().max()
+                         / want[k].abs().max().clamp_min(1e-12)) for k in want)
+    return {"rel": rel(got), "noise": rel(other)}
+
+
 def _train(engine: zs.ZeroEngine, steps: int, seed: int = 3, on_gpu: bool = True
            ) -> list[float]:
     gen = torch.Generator().manual_seed(seed + dist.get_rank())
@@ -224,6 +269,9 @@ else:
     register("parity_stage3_accumulate_offload", parity, stage=3, accumulate=2,
              offload_optimizer=True, offload_params=True)
     register("offload_race", offload_race)
+    register("muon_stage1", muon_parity, stage=1)
+    register("muon_stage3_offload", muon_parity, stage=3, offload_optimizer=True,
+             offload_params=True)
     # With the gather-order check on (the default): on a GPU its tags are read once per
     # backward, not per unit (runtime.py).
     for _layers in (2, 6):

@@ -4,9 +4,10 @@ ranks. Run by tests/test_matrix_optimizers.py through tests.harness (N=2 and N=3
 
 The reference is the same model trained in one process on the global batch. Muon
 orthogonalises in bf16, so two fp32 roundings of the same gradient can give updates that
-differ in bf16's last bit; each parity scenario therefore also trains a twin reference whose
-gradient is the per-rank gradients summed in reversed rank order, and reports that twin's
-distance from the reference as the noise floor.
+differ in bf16's last bit; each parity scenario therefore also trains a twin reference as valid
+as the first (DDP's rounding of the gradient: per-rank gradients averaged in float64; AdamW's
+fused kernel, which the engine runs on shards) and reports that twin's distance from the
+reference as the noise floor.
 """
 
 from __future__ import annotations
@@ -66,12 +67,14 @@ def split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     return hidden, [p for p in model.parameters() if id(p) not in ids]
 
 
-OPTIMIZERS: dict[str, Callable[[nn.Module], list[torch.optim.Optimizer]]] = {
-    "muon": lambda m: [torch.optim.Muon(split(m)[0], lr=0.02, weight_decay=0.01),
-                       torch.optim.AdamW(split(m)[1], lr=0.02, weight_decay=0.1)],
-    "adafactor": lambda m: [torch.optim.Adafactor(m.parameters(), lr=0.02)],
-    "custom": lambda m: [NormalizedSGD(split(m)[0], lr=0.05),
-                         torch.optim.AdamW(split(m)[1], lr=0.02)],
+# ``fused``: AdamW's fused kernel (what the engine runs on shards), for the twin reference.
+OPTIMIZERS: dict[str, Callable[..., list[torch.optim.Optimizer]]] = {
+    "muon": lambda m, fused=None: [
+        torch.optim.Muon(split(m)[0], lr=0.02, weight_decay=0.01),
+        torch.optim.AdamW(split(m)[1], lr=0.02, weight_decay=0.1, fused=fused)],
+    "adafactor": lambda m, fused=None: [torch.optim.Adafactor(m.parameters(), lr=0.02)],
+    "custom": lambda m, fused=None: [NormalizedSGD(split(m)[0], lr=0.05),
+                                     torch.optim.AdamW(split(m)[1], lr=0.02, fused=fused)],
 }
 
 
@@ -142,7 +145,7 @@ def parity(kind: str, layout: str, meta: bool = False, steps: int = 4) -> dict[s
     ref = Net()
     ref.load_state_dict(engine.full_state_dict())  # the same values as eager init (or meta's)
     twin = copy.deepcopy(ref)
-    ref_opts, twin_opts = OPTIMIZERS[kind](ref), OPTIMIZERS[kind](twin)
+    ref_opts, twin_opts = OPTIMIZERS[kind](ref), OPTIMIZERS[kind](twin, fused=True)
     counter = CountNewtonSchulz()
     gen = torch.Generator().manual_seed(5)
     for _ in range(steps):

@@ -19,8 +19,10 @@ from tests.scenarios_matrix import LAYOUTS
 # relative, so 1e-5 leaves a margin of 30, while a wrong update (a matrix orthogonalised in
 # pieces, skipped or applied twice) moves weights by ~lr = 2e-2. Muon orthogonalises in bf16:
 # a last-bit difference of the gradient can become a bf16-sized one (2^-8 relative) in some
-# elements, so where the twin reference (DDP's rounding of the same gradient) lands further
-# from the reference than 1e-5, we allow 4x its distance instead.
+# elements, so where the twin reference (DDP's rounding of the same gradient, AdamW's fused
+# kernel as on our shards) lands further from the reference than 1e-5, we allow 4x its
+# distance instead. (On tests/models.py's MLP the fused kernel's last bits alone grow to 2.7e-3
+# through Muon in 4 steps; the engine then equals that twin.)
 TOL = 1e-5
 PARITY = [f"muon_{layout}" for layout in LAYOUTS] + [
     "muon_s3_meta", "adafactor_s2", "adafactor_s3off", "custom_s0", "custom_s3"]
