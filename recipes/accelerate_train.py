@@ -22,6 +22,9 @@ them and the job ends with the weights of an uninterrupted run::
         recipes/accelerate_train.py --checkpoint-every 10 --checkpoint-dir ckpt
 
 (``--max_restarts`` cannot be set in Accelerate's config file.)
+``--export-dir D`` saves the trained model for inference with ``accelerator.save_model`` (every
+rank calls it; the weights are consolidated from the shards) and, for GPT-2, its config, so
+``GPT2LMHeadModel.from_pretrained(D)`` loads it.
 ``--out DIR`` writes each rank's losses, gradient norms and (rank 0) final weights as JSON.
 Models: a tiny GPT-2 on the help text that ships with Python (``--model gpt2``, needs
 transformers) or a small MLP on synthetic regression data (``--model mlp``, used by the tests).
@@ -65,6 +68,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="save the state every N optimizer steps into --checkpoint-dir and "
                         "resume from the newest complete one when started again")
     p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--export-dir", default=None,
+                   help="after training, save the consolidated model for inference: "
+                        "accelerator.save_model (model.safetensors) plus, for GPT-2, its config, "
+                        "so GPT2LMHeadModel.from_pretrained(DIR) loads it; the main process "
+                        "reads it back and checks it against accelerator.get_state_dict")
     p.add_argument("--out", default=None, help="folder for per-rank JSON results")
     return p.parse_args(argv)
 
@@ -277,11 +285,44 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     record["eval_loss"] = evaluate(accelerator, model, dataset, args.batch)
     record.update(summarize(accelerator, model, initial))
     record["optimizer_state"] = optimizer_digest(optimizer)
+    if args.export_dir:
+        record["export"] = export(accelerator, model, Path(args.export_dir), args.model)
     record["steps"] = progress.steps
     if accelerator.is_main_process:
         last = record["losses"][-1] if record["losses"] else float("nan")
         accelerator.print(f"{args.mode}: {progress.steps} steps, final loss {last:.4f}")
     return record
+
+
+def export(accelerator: Accelerator, model: nn.Module, directory: Path,
+           kind: str) -> dict[str, Any] | None:
+    """The trained model for inference, as Accelerate documents it: ``save_model`` writes
+    the consolidated weights as safetensors (under ZeRO a collective: every rank calls it); a
+    transformers model's config beside them makes the folder a ``from_pretrained`` one. The
+    main process then loads the folder as a consumer would and returns the file names and
+    the largest difference from ``get_state_dict`` (0.0: the same weights)."""
+    state = accelerator.get_state_dict(model)  # every rank
+    accelerator.save_model(model, directory)
+    unwrapped = accelerator.unwrap_model(model)
+    if accelerator.is_main_process and hasattr(unwrapped, "config"):
+        unwrapped.config.save_pretrained(directory)
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        return None
+    if kind == "gpt2":
+        from transformers import GPT2LMHeadModel
+
+        loaded = GPT2LMHeadModel.from_pretrained(directory).state_dict()
+    else:
+        from safetensors.torch import load_file
+
+        fresh = MLP()
+        fresh.load_state_dict(load_file(directory / "model.safetensors"), strict=True)
+        loaded = fresh.state_dict()
+    worst = max((loaded[k].float() - v.detach().float().cpu()).abs().max().item()
+                for k, v in state.items())
+    return {"files": sorted(p.name for p in directory.iterdir()), "max_abs_diff": worst,
+            "keys_equal": sorted(loaded) == sorted(state)}
 
 
 def optimizer_digest(optimizer: Any) -> dict[str, dict[str, float]]:

@@ -13,7 +13,8 @@ several seconds per process, so tests share launches):
     trainer  DDP reference, then every preset (and a stage-3 config with small units): fit
              with accumulation 2, clipping 1.0, a per-step LR schedule and ModelCheckpoint;
              validate / test / predict; save after fit; resume from the step-K checkpoint in a
-             new Trainer; evaluate from the checkpoint in a fresh Trainer; consolidate and
+             new Trainer; evaluate from the checkpoint in a fresh Trainer;
+             load_from_checkpoint on the directory ModelCheckpoint reports; consolidate and
              load_from_checkpoint; a bf16-mixed run; two optimizers refused; Muon and AdamW
              as one CombinedOptimizer against single-process training, resumed from a
              checkpoint (tests/several_optimizers.py).
@@ -241,6 +242,8 @@ def preset(strategy: Callable[[], Any], name: str, out: Path) -> dict[str, Any]:
     final = out / f"{name}-final.ckpt"
     t.save_checkpoint(final)  # after fit: the engine outlives the trainer call
     result["final_is_dir"] = final.is_dir()
+    if name == "zero3":  # while t's engine is live (the resume below builds another)
+        result["engine_only_error"] = engine_only_error(t, out / "zero3-engine-only")
     # The same model object, in a new Trainer, from the epoch-end checkpoint ModelCheckpoint
     # wrote at step K (where Lightning's loops resume exactly, DDP included).
     resumed = Recorder()
@@ -249,7 +252,14 @@ def preset(strategy: Callable[[], Any], name: str, out: Path) -> dict[str, Any]:
     result.update(resume_loss=resumed.loss, resume_step=resumed.step, resume_lr=resumed.lr,
                   resume_rel=rel_diff(weights_of(second, model), weights))
     result.update(evaluate_from_checkpoint(strategy, final))
-    if rank() == 0:
+    if rank() == 0:  # no collective below: rank 1 goes on meanwhile
+        # The path ModelCheckpoint reports (a sharded directory, the step-2K one), loaded the
+        # Lightning way: consolidated in memory by the hook zero_strategy.lightning installs.
+        best = MLPModule.load_from_checkpoint(saver.best_model_path)
+        result["best_model_path"] = Path(saver.best_model_path).name
+        result["best_rel"] = rel_diff({k: v.float() for k, v in best.state_dict().items()},
+                                      weights)
+        result["best_hparams"] = dict(best.hparams)
         ckpt = consolidate_checkpoint(final, out / f"{name}-consolidated.ckpt")
         loaded = MLPModule.load_from_checkpoint(out / f"{name}-consolidated.ckpt")
         result["consolidated_rel"] = rel_diff(
@@ -262,6 +272,19 @@ def preset(strategy: Callable[[], Any], name: str, out: Path) -> dict[str, Any]:
         result["safetensors_rel"] = rel_diff(
             {k: v.float() for k, v in plain.state_dict().items()}, weights)
     return result
+
+
+def engine_only_error(t: L.Trainer, path: Path) -> dict[str, str] | None:
+    """``load_from_checkpoint`` on a checkpoint the engine wrote by itself (no Lightning
+    state to rebuild the module from): the error, which must name the conversion command."""
+    t.strategy.engine.save_checkpoint(path)  # every rank
+    if rank() != 0:
+        return None
+    try:
+        MLPModule.load_from_checkpoint(path)
+    except ValueError as e:
+        return {"dir": str(path), "error": str(e)}
+    return {"dir": str(path), "error": "no error"}
 
 
 def hostile_fit(out: Path) -> dict[str, Any]:

@@ -4,7 +4,8 @@ Accelerate DDP running the same loop, plus the plugin config's loading and valid
 The launched runs (tests/accelerate_launch.py) all start in the module fixtures: plain DDP, and
 ZeRO stages 1-3 and stage 3 with offload, each a full run that saves its state half-way; then
 each ZeRO variant relaunched from that state. fp32, accumulation 2, clipping at 1.0 (engaged).
-And a GPT-2 with dropout on a shuffled loader at stage 3, saved after 6 of 12 steps and resumed.
+And a GPT-2 with dropout on a shuffled loader at stage 3, saved after 6 of 12 steps and resumed,
+its final model exported with ``save_model`` and reloaded with ``from_pretrained``.
 And Muon beside AdamW prepared together at stage 2 (tests/accelerate_optimizers.py).
 """
 
@@ -51,8 +52,8 @@ def outcomes(work: Path) -> dict[str, Outcome]:
     resumed from its saved state, the GPT-2 pair, a bad-config launch and a plain-python run."""
     # First: the GPT-2 pair is the longest chain (transformers' import is most of each launch).
     gpt2_env, gpt2_ckpt = {CONFIG_ENV: str(CONF / "zero3.yaml")}, str(work / "gpt2-ckpt")
-    jobs = [Job("gpt2", [*GPT2, "--save-at", str(GPT2_SAVE_AT), "--save-dir", gpt2_ckpt],
-                work / "gpt2", env=gpt2_env),
+    jobs = [Job("gpt2", [*GPT2, "--save-at", str(GPT2_SAVE_AT), "--save-dir", gpt2_ckpt,
+                         "--export-dir", str(work / "gpt2-export")], work / "gpt2", env=gpt2_env),
             Job("gpt2-resumed", [*GPT2, "--resume", gpt2_ckpt], work / "gpt2-resumed",
                 env=gpt2_env, after="gpt2"),
             Job("ddp", ["--mode", "ddp", *COMMON], work / "ddp"),
@@ -192,6 +193,25 @@ def test_resume_with_dropout_and_a_shuffled_loader_is_bit_exact(
         assert b["lrs"] == a["lrs"][GPT2_SAVE_AT:]
     assert again[0]["weights"] == full[0]["weights"]
     assert again[0]["eval_loss"] == full[0]["eval_loss"]
+
+
+def test_save_model_and_from_pretrained_give_the_trained_weights(
+        runs: dict[str, Outcome], work: Path) -> None:
+    """Stage 3, sharded parameters: ``accelerator.save_model`` writes the consolidated
+    weights (safetensors; the tied ``lm_head.weight`` once, as Accelerate does), the config
+    beside them makes a ``from_pretrained`` folder, and ``GPT2LMHeadModel.from_pretrained``
+    gives exactly the weights ``accelerator.get_state_dict`` returned."""
+    from safetensors.torch import load_file
+
+    rank0 = _ok(runs["gpt2"])[0]
+    assert rank0["zero_config"]["stage"] == 3
+    export = rank0["export"]
+    assert export["files"] == ["config.json", "model.safetensors"]
+    assert export["keys_equal"] and export["max_abs_diff"] == 0.0, export
+    saved = load_file(str(work / "gpt2-export" / "model.safetensors"))
+    assert set(saved) == set(rank0["weights"]) - {"lm_head.weight"}
+    for key, tensor in saved.items():
+        assert tensor.flatten().tolist() == rank0["weights"][key], key
 
 
 def test_the_resumed_loader_leaves_the_global_generator_alone() -> None:

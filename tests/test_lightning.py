@@ -134,6 +134,52 @@ def test_checkpoint_after_fit_evaluates_and_consolidates(suite: dict, name: str)
         rank0["consolidated_keys"])
 
 
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_load_from_checkpoint_on_the_path_model_checkpoint_reports(suite: dict,
+                                                                  name: str) -> None:
+    """``MLPModule.load_from_checkpoint(saver.best_model_path)`` on the sharded directory
+    (rank 0 alone, mid-world): the engine's consolidated weights bit for bit, the hparams."""
+    rank0 = check(suite[name])[0]
+    assert rank0["best_model_path"] == "epoch=1-step=8.ckpt"  # the last save: the final weights
+    assert rank0["best_rel"] == 0.0, "load_from_checkpoint weights differ from the engine's"
+    assert rank0["best_hparams"] == {"lr": 0.01, "seed": 0}
+
+
+def test_load_from_checkpoint_without_lightning_state_names_the_command(
+        suite: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpoint ZeroEngine.save_checkpoint wrote has no Lightning state: the error names
+    the conversion command (load_from_checkpoint and ``zero-strategy consolidate ... .ckpt``)."""
+    from zero_strategy import cli
+
+    failed = check(suite["zero3"])[0]["engine_only_error"]
+    command = f"zero-strategy consolidate {failed['dir']} model.safetensors"
+    assert "without Lightning state" in failed["error"] and command in failed["error"], failed
+    assert cli.main(["consolidate", failed["dir"], str(tmp_path / "model.ckpt")]) == 2
+    assert command in capsys.readouterr().err and not (tmp_path / "model.ckpt").exists()
+    assert cli.main(["consolidate", failed["dir"], str(tmp_path / "model.safetensors")]) == 0
+
+
+def test_load_from_checkpoint_leaves_other_paths_to_lightning(tmp_path: Path) -> None:
+    """The hook takes zero_strategy checkpoint directories only: any other directory still
+    gets Lightning's own error, a file still loads as Lightning loads it."""
+    from lightning.pytorch.core import saving
+
+    from zero_strategy.lightning import is_zero_checkpoint
+
+    assert getattr(saving.pl_load, "_zero_strategy", False), "the loader hook is not installed"
+    with pytest.raises(IsADirectoryError):
+        TinyModule.load_from_checkpoint(tmp_path)
+    model = TinyModule()
+    torch.save({"state_dict": model.state_dict(), "pytorch-lightning_version": L.__version__},
+               tmp_path / "plain.ckpt")
+    loaded = TinyModule.load_from_checkpoint(tmp_path / "plain.ckpt")
+    assert torch.equal(loaded.layer.weight, model.layer.weight)
+    (tmp_path / "ck").mkdir()
+    assert not is_zero_checkpoint(tmp_path / "ck") and not is_zero_checkpoint("s3://b/ck")
+    (tmp_path / "ck" / "latest").write_text("checkpoint")
+    assert is_zero_checkpoint(tmp_path / "ck") and is_zero_checkpoint(str(tmp_path / "ck"))
+
+
 # ---------------------------------------------------------------------- other behaviour
 def test_fit_refuses_forged_checkpoints_before_changing_anything(suite: dict) -> None:
     """``fit(ckpt_path=)`` with a framework-state payload (refused by weights_only) or a

@@ -33,7 +33,11 @@ def _consolidate(args: argparse.Namespace) -> int:
     if str(args.out).endswith(".ckpt"):  # a Lightning checkpoint, for load_from_checkpoint
         from .lightning import consolidate_checkpoint
 
-        consolidate_checkpoint(args.checkpoint, args.out, tag=args.tag, dtype=dtype)
+        try:
+            consolidate_checkpoint(args.checkpoint, args.out, tag=args.tag, dtype=dtype)
+        except ValueError as e:  # not a ZeroStrategy checkpoint: the message says what to run
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         print(f"wrote {args.out}")
         return 0
     out = write_consolidated(args.checkpoint, args.out, tag=args.tag, dtype=dtype)

@@ -16,6 +16,8 @@ How Lightning's calls reach the engine:
   GradScaler, torch clipping); our setter takes that plugin's precision name instead, so the
   engine's loss scaling and sharded clipping always run;
 - checkpoints are the engine's sharded directories plus one file of Lightning state;
+  ``LightningModule.load_from_checkpoint(<such a directory>)`` consolidates it in memory
+  (importing this module wraps Lightning's loader for these directories only);
 - several optimizers over disjoint parameter sets (Muon for the hidden matrices, AdamW for the
   rest): ``configure_optimizers`` returns ``zero_strategy.CombinedOptimizer([muon, adamw])``,
   one optimizer to Lightning, whose ``lr_scheduler`` entries may each drive one part.
@@ -23,6 +25,8 @@ How Lightning's calls reach the engine:
 
 from __future__ import annotations
 
+import io
+import os
 from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -32,6 +36,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core import saving as _lightning_saving
 from lightning.pytorch.core.optimizer import _configure_optimizers
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -42,16 +47,20 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from . import reshard
+from .checkpoint import LATEST, MANIFEST
 from .combined import CombinedOptimizer
 from .config import ZeroConfig
 from .engine import ZeroEngine
 from .fabric import (
+    CLIENT_KEY,
     PRESET_DESCRIPTIONS,
     PRESETS,
     EngineModule,
     HydraJobLauncherMixin,
     backward_kwargs,
     build_config,
+    decode_state,
     generic_precision_name,
     group_hyperparameters,
     has_meta_tensors,
@@ -59,13 +68,11 @@ from .fabric import (
     merge_precision,
     placeholder_optimizer,
     precision_explicit,
-    read_client_state,
     restore_hyperparameters,
     save_engine_checkpoint,
     with_timeout,
 )
 from .materialize import meta_init
-from .reshard import consolidate
 
 _GENERIC_PLUGINS = (Precision, MixedPrecision, HalfPrecision)
 _NOT_SAVED = ("state_dict", "optimizer_states")  # the engine's shards hold these
@@ -436,9 +443,36 @@ class ZeroStrategy(DDPStrategy):
                                        override=True, **preset)
 
 
+def _conversion_hint(directory: str) -> str:
+    return (f"for its weights alone run `zero-strategy consolidate {directory} model.safetensors` "
+            "and load them with model.load_state_dict(safetensors.torch.load_file("
+            "'model.safetensors'))")
+
+
+def _lightning_state(checkpoint_dir: _PATH, tag: str | None,
+                     weights_only: bool | None) -> dict[str, Any]:
+    """The Lightning state (loops, callbacks, hyperparameters) ``ZeroStrategy`` saved beside
+    the shards; a checkpoint written by the engine, ``ZeroAccelerator`` or Fabric has none."""
+    directory = str(checkpoint_dir)
+    client = reshard.read_client_state(checkpoint_dir, tag)
+    if not client or CLIENT_KEY not in client:
+        raise ValueError(
+            f"{directory!r} is a zero_strategy checkpoint without Lightning state (written by "
+            "ZeroEngine.save_checkpoint or ZeroAccelerator.save_state, not by ZeroStrategy), so "
+            f"LightningModule.load_from_checkpoint cannot rebuild a module from it; "
+            + _conversion_hint(directory))
+    meta = decode_state(client, Path(directory), "ZeroStrategy", weights_only)
+    if "lightning" not in meta:
+        raise ValueError(
+            f"{directory!r} was written by fabric.save (ZeroFabricStrategy), which saves no "
+            "LightningModule state: load it with fabric.load, or "
+            + _conversion_hint(directory))
+    return dict(meta["lightning"])
+
+
 def consolidate_checkpoint(
     checkpoint_dir: _PATH, output_file: _PATH | None = None, *, tag: str | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None, weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """A ``ZeroStrategy`` checkpoint directory as one ordinary Lightning checkpoint.
 
@@ -446,13 +480,67 @@ def consolidate_checkpoint(
     saved Lightning state (hyperparameters, loops, callbacks), so
     ``LightningModule.load_from_checkpoint(output_file)`` works; written with ``torch.save``
     when ``output_file`` is given. Runs in a single process (no process group needed).
+    ``weights_only`` is torch.load's, for the Lightning state (None: torch's default, True).
+    ``load_from_checkpoint`` on the directory itself does this in memory (see
+    ``load_zero_checkpoint``).
     """
-    meta = read_client_state(checkpoint_dir, "ZeroStrategy", tag)
-    state_dict = consolidate(checkpoint_dir, tag=tag, dtype=dtype)
-    checkpoint = {**meta["lightning"], "state_dict": state_dict}
+    lightning_state = _lightning_state(checkpoint_dir, tag, weights_only)
+    state_dict = reshard.consolidate(checkpoint_dir, tag=tag, dtype=dtype)
+    checkpoint = {**lightning_state, "state_dict": state_dict}
     if output_file is not None:
         torch.save(checkpoint, output_file)
     return checkpoint
 
 
+# ---------------------------------------------------------------------- load_from_checkpoint
+def is_zero_checkpoint(path: Any) -> bool:
+    """``path`` is a local directory holding a zero_strategy checkpoint (a tag directory with
+    its manifest, or a root with a ``latest`` tag)."""
+    if not isinstance(path, (str, os.PathLike)) or "://" in str(path):
+        return False
+    root = Path(path)
+    return root.is_dir() and ((root / MANIFEST).exists() or (root / LATEST).exists())
+
+
+def load_zero_checkpoint(path: _PATH, map_location: Any = None,
+                         weights_only: bool | None = None) -> dict[str, Any]:
+    """What ``torch.load`` of a consolidated ``.ckpt`` would give, read from a ``ZeroStrategy``
+    checkpoint directory: consolidated in this process (every rank may call it; no
+    collective), the weights on the CPU unless ``map_location`` says otherwise."""
+    checkpoint = consolidate_checkpoint(path, weights_only=weights_only)
+    if map_location is None or map_location is _lightning_saving._default_map_location:
+        return checkpoint  # Lightning's default keeps CPU storage on the CPU
+    if isinstance(map_location, (str, torch.device)):
+        device = torch.device(map_location)
+        checkpoint["state_dict"] = {k: v.to(device) for k, v in checkpoint["state_dict"].items()}
+        return checkpoint
+    # A dict or a callable: torch.load's own semantics, through one in-memory round trip.
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, map_location=map_location, weights_only=weights_only is not False)
+
+
+def _install_load_from_checkpoint() -> None:
+    """``LightningModule.load_from_checkpoint(path)`` (and the DataModule's) read ``path``
+    with ``lightning.pytorch.core.saving.pl_load``, which opens it as a file: on the sharded
+    directory ``ModelCheckpoint`` reports it raised ``IsADirectoryError``. Wrapped once here,
+    a zero_strategy checkpoint directory is consolidated in memory instead; every other path
+    (files, URLs, other directories) goes to Lightning's loader unchanged."""
+    original = getattr(_lightning_saving, "pl_load", None)
+    if original is None or getattr(original, "_zero_strategy", False):
+        return
+
+    def pl_load(path_or_url: Any, map_location: Any = None,
+                weights_only: bool | None = None) -> Any:
+        if is_zero_checkpoint(path_or_url):
+            return load_zero_checkpoint(path_or_url, map_location, weights_only)
+        return original(path_or_url, map_location=map_location, weights_only=weights_only)
+
+    pl_load._zero_strategy = True  # type: ignore[attr-defined]
+    pl_load.__wrapped__ = original  # type: ignore[attr-defined]
+    _lightning_saving.pl_load = pl_load
+
+
+_install_load_from_checkpoint()
 ZeroStrategy.register_strategies(StrategyRegistry)
