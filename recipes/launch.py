@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -31,6 +32,17 @@ def check_job(cfg: DictConfig) -> None:
                          f"{list(schema.PRECISIONS)}")
     if cfg.optim.name not in schema.OPTIMIZERS:
         raise ValueError(f"optim.name={cfg.optim.name!r} is not one of {list(schema.OPTIMIZERS)}")
+    metric = cfg.get("optimized_metric")
+    if metric is not None:
+        if metric not in schema.OBJECTIVES:
+            raise ValueError(f"optimized_metric={metric!r} is not one of {list(schema.OBJECTIVES)}")
+        if metric == "val_acc" and cfg.model.name != "resnet":
+            raise ValueError(f"optimized_metric='val_acc' is measured for model=resnet only, "
+                             f"not model={cfg.model.name}; use val_loss")
+        if metric.startswith("val_") and int(cfg.trainer.limit_val_batches) <= 0:
+            raise ValueError(f"optimized_metric={metric!r} needs validation, but "
+                             f"trainer.limit_val_batches={cfg.trainer.limit_val_batches} runs "
+                             "none; set it to 1 or more")
     if cfg.strategy.name != "ddp":
         from zero_strategy.config import ZeroConfig
 
@@ -70,7 +82,30 @@ def run_job(cfg: DictConfig, out: Path | None = None) -> float:
                            f"config in {config_file}")
     metrics = json.loads(metrics_file.read_text())
     print(summary(metrics), flush=True)
-    return float(metrics.get("val_loss", float("nan")))
+    return objective(metrics, cfg.get("optimized_metric"))
+
+
+def objective(metrics: dict, metric: str | None) -> float:
+    """What the job returns to Hydra: the value of ``optimized_metric`` (a sweeper such as
+    Optuna ranks trials by it). Without one set, the val loss, NaN when there is none (nobody
+    reads it). With one set, a missing or non-finite value fails the job (Optuna records the
+    trial as failed) with the metric named and the reason, instead of handing the sweeper a
+    NaN it cannot rank."""
+    if metric is None:
+        return float(metrics.get("val_loss", float("nan")))
+    value = metrics.get(metric)
+    job = metrics.get("name", "?")
+    if value is None or (metric.startswith("val_") and metrics.get("val_step") is None):
+        reason = ("no validation ran (trainer.limit_val_batches=0 or an empty validation set)"
+                  if metric.startswith("val_") else "the job recorded none")
+        raise RuntimeError(f"job {job!r} has no {metric} to return as optimized_metric: "
+                           f"{reason}; the trial fails")
+    if not math.isfinite(float(value)):
+        raise RuntimeError(
+            f"job {job!r}: {metric} is {value} after {metrics.get('steps')} steps (training "
+            "diverged: lower optim.lr or its search range), not a value a sweeper can rank; "
+            "the trial fails")
+    return float(value)
 
 
 def summary(m: dict) -> str:

@@ -1,5 +1,6 @@
 """What every recipe job measures: throughput, peak memory per rank beside the ZeRO formula,
-bytes communicated per step, first/final train loss and validation loss/accuracy."""
+bytes communicated per step, first/final train loss and validation loss/accuracy of the final
+model; and what ran (strategy, precision, world size, optimizer), read from the run."""
 
 from __future__ import annotations
 
@@ -27,6 +28,43 @@ def _status_mib(field: str) -> float:
     return float("nan")
 
 
+def strategy_label(strategy: Any) -> tuple[str, int | None]:
+    """(name, ZeRO stage) of the strategy object that trained: ``ddp``, or ``zero<stage>``
+    with ``_offload`` when everything that stage can offload is offloaded (the presets'
+    names), else the offloaded part named (``zero3_offload_optimizer``)."""
+    config = getattr(strategy, "config", None)
+    if config is None or not hasattr(config, "stage"):
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return ("ddp" if type(strategy) is DDPStrategy else type(strategy).__name__), None
+    offloaded = [part for part, on in (("optimizer", config.offload_optimizer),
+                                       ("params", config.offload_params)) if on]
+    full = ["optimizer", "params"] if config.stage == 3 else ["optimizer"]
+    suffix = ("_offload" if offloaded == full
+              else "".join(f"_offload_{part}" for part in offloaded))
+    return f"zero{config.stage}{suffix}", int(config.stage)
+
+
+def optimizer_label(optimizers: list[Any]) -> str:
+    """The optimizer classes that stepped, ``+``-joined for a CombinedOptimizer's parts
+    (``muon+adamw``)."""
+    parts = [p for opt in optimizers for p in getattr(opt, "optimizers", [opt])]
+    return "+".join(type(p).__name__.lower() for p in parts)
+
+
+def run_columns(trainer: L.Trainer) -> dict[str, Any]:
+    """The report's description of a job, read from what ran, never from the request:
+    Lightning may change the request (``16-mixed`` on a CPU runs as ``bf16-mixed``), so the
+    precision is the engine's policy (under ZeRO) or the Trainer's precision plugin's, the
+    strategy and stage come from the strategy object, N from the Trainer's world."""
+    name, stage = strategy_label(trainer.strategy)
+    engine = getattr(trainer.strategy, "engine", None)
+    precision = engine.plan.policy.name if engine is not None else trainer.precision
+    return {"strategy": name, "stage": stage, "precision": str(precision),
+            "world_size": int(trainer.world_size),
+            "optim": optimizer_label(trainer.optimizers) if trainer.optimizers else None}
+
+
 class JobMetrics(L.Callback):
     def __init__(self, cfg: Any, out: Path) -> None:
         self.cfg, self.out = cfg, out
@@ -35,8 +73,12 @@ class JobMetrics(L.Callback):
         self.timed_s = 0.0
         self.timed_batches = 0
         self.first_loss: float | None = None
+        self.train_loss = float("nan")
+        self.val_step: int | None = None
+        """The optimizer step of the newest validation (None: none ran yet)."""
         self._t: float | None = None
         self._comm0 = 0
+        self._comm_end: int | None = None
 
     # ----------------------------------------------------------- DDP's byte counter
     def _ddp_hook(self):  # noqa: ANN202
@@ -88,6 +130,21 @@ class JobMetrics(L.Callback):
             first = next(iter(batch.values()))
             self.samples += first.shape[0] * trainer.world_size
 
+    def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.val_step = trainer.global_step
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        # Read now: a validation after fit resets the Trainer's metrics, and its parameter
+        # gathers are not training traffic.
+        self.train_loss = float(trainer.callback_metrics.get("train_loss", float("nan")))
+        self._comm_end = self._comm_total(trainer)
+
+    def needs_final_validation(self, trainer: L.Trainer) -> bool:
+        """Training stopped after the last periodic validation (``max_steps`` not a multiple
+        of ``val_check_interval``), or none ran: the val loss would be stale or missing."""
+        return self.val_step != trainer.global_step
+
     # ----------------------------------------------------------- the record
     def _rank_record(self, trainer: L.Trainer, module: L.LightningModule) -> dict[str, Any]:
         engine = getattr(trainer.strategy, "engine", None)
@@ -102,11 +159,11 @@ class JobMetrics(L.Callback):
                       for t in s.values() if isinstance(t, torch.Tensor)]
             held = sum(2 * p.nbytes for p in params) + sum(t.nbytes for t in states)
             predicted = zs.estimate_memory(num_params, stage=0, world_size=trainer.world_size,
-                                           precision=self.cfg.precision.name).total_bytes
+                                           precision=str(trainer.precision)).total_bytes
         return {"rank": trainer.global_rank, "peak_rss_mib": _status_mib("VmHWM") - self.base_rss,
                 "model_state_bytes": int(held), "predicted_bytes": int(predicted),
                 "num_params": int(num_params), "first_loss": self.first_loss,
-                "train_loss": float(trainer.callback_metrics.get("train_loss", float("nan")))}
+                "train_loss": self.train_loss}
 
     def finish(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         ranks = [None] * trainer.world_size
@@ -118,19 +175,20 @@ class JobMetrics(L.Callback):
         samples_per_s = self.samples / self.timed_s if self.timed_s else float("nan")
         seq = int(self.cfg.model.get("seq_len", 0) or 0) if self.cfg.model.name != "resnet" else 0
         cm = trainer.callback_metrics
+        comm_end = self._comm_end if self._comm_end is not None else self._comm_total(trainer)
         record = {
-            "name": self.cfg.name, "strategy": self.cfg.strategy.name,
-            "stage": self.cfg.strategy.stage, "precision": self.cfg.precision.name,
-            "model": f"{self.cfg.model.name}-{self.cfg.model.size}",
-            "world_size": trainer.world_size, "steps": trainer.global_step,
-            "optim": self.cfg.optim.name,
+            "name": self.cfg.name, **run_columns(trainer),
+            "requested": {"strategy": self.cfg.strategy.name,
+                          "precision": self.cfg.precision.name,
+                          "world_size": int(self.cfg.trainer.devices)},
+            "model": module.label, "steps": trainer.global_step,
             "ms_per_batch": 1000 * self.timed_s / self.timed_batches if self.timed_batches
             else float("nan"),
             "samples_per_s": samples_per_s, "tokens_per_s": samples_per_s * seq,
-            "comm_bytes_per_step": (self._comm_total(trainer) - self._comm0) / steps,
+            "comm_bytes_per_step": (comm_end - self._comm0) / steps,
             "first_loss": sum(r["first_loss"] for r in ranks) / len(ranks),
             "train_loss": sum(r["train_loss"] for r in ranks) / len(ranks),
-            "val_loss": float(cm.get("val_loss", float("nan"))),
+            "val_loss": float(cm.get("val_loss", float("nan"))), "val_step": self.val_step,
             "val_acc": float(cm["val_acc"]) if "val_acc" in cm else None,
             "num_params": ranks[0]["num_params"], "ranks": ranks, "weights_sha256": digest,
         }

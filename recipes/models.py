@@ -79,6 +79,7 @@ class RecipeModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.kind = model_cfg["name"]
+        self.label = f"{model_cfg['name']}-{model_cfg['size']}"  # what was built (the report's)
         self.model = build_model(model_cfg["name"], model_cfg["size"], vocab_size=vocab_size,
                                  seq_len=model_cfg["seq_len"], dropout=model_cfg["dropout"])
 

@@ -40,8 +40,16 @@ def rows(sweep_dir: Path) -> list[dict[str, Any]]:
             "predicted_mib": max(r["predicted_bytes"] for r in m["ranks"]) / mib,
             "comm_mib_per_step": m["comm_bytes_per_step"] / mib,
             "val_acc": m.get("val_acc"), "job": path.parent.name,
+            "requested": m.get("requested", {}),
         })
     return out
+
+
+def changed_by_the_run(row: dict[str, Any]) -> list[str]:
+    """What the job ran differently from what its config asked for (the columns show what
+    ran), e.g. Lightning running ``16-mixed`` as ``bf16-mixed`` on a CPU."""
+    return [f"{key} requested {asked!r}, ran {row.get(key)!r}"
+            for key, asked in row.get("requested", {}).items() if row.get(key) != asked]
 
 
 def write(sweep_dir: Path) -> list[Path]:
@@ -59,10 +67,15 @@ def write(sweep_dir: Path) -> list[Path]:
     for r in table:
         cells = [fmt.format(r[k]) if r.get(k) is not None else "" for k, _, fmt in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Throughput is measured after 3 warm-up steps; peak RSS is the growth of each "
+    changes = [f"- {r['job']}: {', '.join(c)}" for r in table if (c := changed_by_the_run(r))]
+    if changes:
+        lines += ["", "Jobs that did not run as requested (the table shows what ran):", *changes]
+    lines += ["", "Strategy, precision and N are read from each run's Trainer and engine. "
+              "Throughput is measured after 3 warm-up steps; peak RSS is the growth of each "
               "rank's resident memory during training (max over ranks); model states are the "
               "bytes of parameters, gradients and optimizer states one rank holds, beside the "
-              "ZeRO formula's prediction; bytes sent count every collective of one rank."]
+              "ZeRO formula's prediction; bytes sent count every collective of one rank "
+              "until training ends; the val loss is the final model's."]
     (sweep_dir / "report.md").write_text("\n".join(lines) + "\n")
     return [sweep_dir / "report.md", sweep_dir / "report.csv", plot(table, sweep_dir)]
 

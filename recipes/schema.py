@@ -98,6 +98,10 @@ class PrecisionConf:
 
 OPTIMIZERS = ("adamw", "muon")
 
+OBJECTIVES = ("val_loss", "val_acc", "train_loss")
+"""What ``optimized_metric`` may name: metrics.json fields measured on the final model
+(``val_acc`` for model=resnet only)."""
+
 
 @dataclass
 class OptimConf:
@@ -144,6 +148,9 @@ class Config:
     trainer: TrainerConf = field(default_factory=TrainerConf)
     optim: OptimConf = field(default_factory=OptimConf)
     name: str = "default"
+    optimized_metric: Optional[str] = None  # noqa: UP045
+    """The measurement a job returns to the sweeper (``hparams_search`` sets it): one of
+    OBJECTIVES. A job without a finite value of it fails, naming the metric and why."""
 
 
 def register() -> None:

@@ -2,8 +2,9 @@
 
 Builds the data, the model and the Lightning Trainer from the job's resolved config and
 trains, checkpointing every ``trainer.checkpoint_every`` steps; a worker restarted after a
-failure resumes from the last checkpoint (resume.py). Rank 0 writes the job's measurements
-to ``metrics.json`` beside the config.
+failure resumes from the last checkpoint (resume.py). The final model is validated (once more
+after fit when the last periodic validation came before the last step). Rank 0 writes the
+job's measurements to ``metrics.json`` beside the config.
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ def main(config_file: str) -> None:
         default_root_dir=str(job),
     )
     trainer.fit(module, datamodule=data, ckpt_path=last_checkpoint(checkpoint))
+    if metrics.needs_final_validation(trainer):
+        # The val loss reported (and minimised by hparams_search) is the final model's, also
+        # when max_steps is not a multiple of val_check_interval (or below it: none ran).
+        trainer.validate(module, datamodule=data, verbose=False)
     metrics.finish(trainer, module)
     # Shut the group down while every rank is alive: left to interpreter exit, gloo's threads
     # can be torn down mid-flight and abort the process after a successful run.

@@ -69,6 +69,98 @@ def test_strategies_map_onto_zero_config() -> None:
 def test_optuna_search_composes() -> None:
     cfg = _compose(["hparams_search=optuna"])
     assert cfg.trainer.max_steps > 0
+    assert cfg.optimized_metric == "val_loss" and _compose([]).optimized_metric is None
+
+
+def test_objective_names_the_metric_and_why_a_trial_has_none() -> None:
+    """What the job returns to the sweeper: the optimized metric of the final model; a job
+    without a finite one fails (Optuna marks the trial failed) saying which and why, where a
+    NaN used to reach Optuna and crash the study."""
+    import launch
+
+    ran = {"name": "gpt-tiny-zero3", "steps": 3, "val_step": 3, "val_loss": 2.5,
+           "train_loss": 2.7, "val_acc": None}
+    assert launch.objective(ran, "val_loss") == 2.5
+    assert launch.objective(ran, "train_loss") == 2.7
+    assert launch.objective(ran, None) == 2.5
+    never = {**ran, "val_step": None, "val_loss": float("nan")}
+    assert launch.objective(never, None) != launch.objective(never, None)  # NaN: nobody reads it
+    with pytest.raises(RuntimeError, match=r"'gpt-tiny-zero3' has no val_loss .*no validation "
+                                           r"ran \(trainer.limit_val_batches=0"):
+        launch.objective(never, "val_loss")
+    with pytest.raises(RuntimeError, match="has no val_acc"):
+        launch.objective(ran, "val_acc")
+    diverged = {**ran, "val_loss": float("nan")}
+    with pytest.raises(RuntimeError, match=r"val_loss is nan after 3 steps \(training diverged"):
+        launch.objective(diverged, "val_loss")
+
+
+@pytest.mark.parametrize(("overrides", "named"), [
+    (["optimized_metric=val_acc"], "model=resnet only"),
+    (["optimized_metric=val_los"], "optimized_metric='val_los' is not one of"),
+])
+def test_an_objective_that_cannot_be_measured_is_refused_before_workers_start(
+        overrides: list[str], named: str) -> None:
+    import launch
+
+    cfg = _compose(["hparams_search=optuna", *overrides])
+    with pytest.raises(ValueError, match=named.replace("(", r"\(")):
+        launch.check_job(cfg)
+
+
+def test_report_columns_are_read_from_the_run() -> None:
+    """precision=fp16 on a CPU: Lightning runs bf16-mixed, and the record says so (from the
+    Trainer's precision plugin, or the engine's policy once it exists); the strategy name and
+    stage from the strategy object, N from the Trainer, the optimizer from its classes."""
+    from types import SimpleNamespace
+
+    import lightning as L
+    import metrics
+    import torch
+    from lightning.pytorch.strategies import DDPStrategy
+
+    import zero_strategy as zs
+    from zero_strategy.lightning import ZeroStrategy
+
+    def trainer(strategy: object) -> L.Trainer:
+        return L.Trainer(strategy=strategy, accelerator="cpu", devices=2, precision="16-mixed",
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False)
+
+    with pytest.warns(UserWarning, match="AMP with fp16 is not supported on CPU"):
+        zero, ddp = trainer("zero3"), trainer(DDPStrategy())
+    assert metrics.run_columns(zero) == {"strategy": "zero3", "stage": 3, "world_size": 2,
+                                         "precision": "bf16-mixed", "optim": None}
+    assert metrics.run_columns(ddp) == {"strategy": "ddp", "stage": None, "world_size": 2,
+                                        "precision": "bf16-mixed", "optim": None}
+    assert metrics.strategy_label(ZeroStrategy(stage=2, offload_optimizer=True)) == (
+        "zero2_offload", 2)
+    assert metrics.strategy_label(ZeroStrategy(stage=3, offload_optimizer=True)) == (
+        "zero3_offload_optimizer", 3)
+    assert metrics.strategy_label(ZeroStrategy(stage=3, offload_optimizer=True,
+                                               offload_params=True)) == ("zero3_offload", 3)
+    params = [torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2))]
+    combined = zs.CombinedOptimizer([torch.optim.SGD(params[:1]), torch.optim.AdamW(params[1:])])
+    engine = SimpleNamespace(plan=SimpleNamespace(policy=SimpleNamespace(name="bf16-true")))
+    ran = SimpleNamespace(strategy=SimpleNamespace(config=zs.ZeroConfig(stage=1), engine=engine),
+                          precision="32-true", world_size=4, optimizers=[combined])
+    assert metrics.run_columns(ran) == {"strategy": "zero1", "stage": 1, "world_size": 4,
+                                        "precision": "bf16-true", "optim": "sgd+adamw"}
+
+
+def test_report_lists_what_did_not_run_as_requested(tmp_path: Path) -> None:
+    import report
+
+    for i, (asked, ran) in enumerate([("32-true", "32-true"), ("16-mixed", "bf16-mixed")]):
+        (tmp_path / f"{i}-job").mkdir()
+        (tmp_path / f"{i}-job" / "metrics.json").write_text(json.dumps({
+            "strategy": "zero3", "precision": ran, "world_size": 2,
+            "requested": {"strategy": "zero3", "precision": asked, "world_size": 2},
+            "ranks": [{"peak_rss_mib": 1, "model_state_bytes": 1, "predicted_bytes": 1}],
+            "comm_bytes_per_step": 0}))
+    same, changed = report.rows(tmp_path)
+    assert report.changed_by_the_run(same) == []
+    assert report.changed_by_the_run(changed) == [
+        "precision requested '16-mixed', ran 'bf16-mixed'"]
 
 
 def _run(*args: str, cwd: Path, env: dict[str, str] | None = None
@@ -113,6 +205,13 @@ def test_fast_sweep_writes_report(sweep: tuple[Path, subprocess.CompletedProcess
         assert float(r["train_loss"]) < float(r["first_loss"])
         assert float(r["val_loss"]) > 0
     ddp, zero3 = rows
+    for r in rows:  # read from the run (the request agreed here: nothing listed as changed)
+        assert r["precision"] == "32-true" and r["world_size"] == "2"
+    assert "did not run as requested" not in (sweep / "report.md").read_text()
+    for m in (json.loads(p.read_text()) for p in sweep.glob("*/metrics.json")):
+        # max_steps=6, val_check_interval=4: validated at 4 by Lightning, at 6 after fit
+        assert m["val_step"] == m["steps"] == 6, m
+        assert m["requested"]["precision"] == m["precision"] == "32-true"
     assert float(zero3["model_state_mib"]) < 0.6 * float(ddp["model_state_mib"])
     # identical data and initial weights: the first loss is the same under both strategies
     assert float(zero3["first_loss"]) == pytest.approx(float(ddp["first_loss"]), rel=1e-5)
@@ -154,6 +253,11 @@ def test_floor_is_overlapped_communication_or_compute_plus_the_optimizer() -> No
     (["optim.name=lion"], "optim.name='lion'"),
     (["+strategy.zero.bucket_numl=5"], "bucket_numl"),  # "+" adds keys past the schema
     (["strategy=zero2", "strategy.zero.unit_numel=5"], "unit_numel"),  # stage 3 only
+    # A real Optuna study (one trial): the trial is recorded as failed with the reason, and
+    # the study stops with that error (no NaN reaching Optuna).
+    (["hparams_search=optuna", "trainer.limit_val_batches=0", "hydra.sweeper.n_trials=1"],
+     "Failed experiment: optimized_metric='val_loss' needs validation, but "
+     "trainer.limit_val_batches=0 runs none"),
 ])
 def test_bad_job_values_fail_before_any_worker_starts(overrides: list[str], named: str,
                                                       tmp_path: Path) -> None:
