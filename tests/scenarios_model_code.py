@@ -11,6 +11,7 @@ so every element is compared at fp32 summation-order tolerance.
 from __future__ import annotations
 
 import copy
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -111,6 +112,17 @@ def close_unwraps(layout: str) -> dict[str, Any]:
     out["close_plain_class"] = type(module.blk).__mro__[1] is nn.Module
     out["close_runs"] = bool(torch.isfinite(logits).all()) and tuple(logits.shape) == (2, 3)
     out["close_no_hooks"] = not any(p._post_accumulate_grad_hooks for p in module.parameters())
+    # Nothing sharded is left to write or to load into: both refuse instead of writing a
+    # checkpoint with no parameters in it (or loading into units that are gone).
+    refusals = []
+    with tempfile.TemporaryDirectory() as directory:
+        for call in (engine.save_checkpoint, engine.load_checkpoint):
+            try:
+                call(directory)
+                refusals.append("no error")
+            except RuntimeError as e:
+                refusals.append(str(e))
+    out["close_refusals"] = refusals
     return out
 
 

@@ -55,6 +55,8 @@ def test_close_gives_back_a_plain_trained_module(world: dict, layout: str) -> No
     for r in check(world[f"close_{layout}"]):
         assert r["close_equal"], "the closed module does not hold the trained weights"
         assert r["close_plain_class"] and r["close_no_hooks"]
+        for message, call in zip(r["close_refusals"], ("save_checkpoint", "load_checkpoint")):
+            assert f"engine.{call}(): the engine was closed" in message, message
         assert r["close_runs"]
     assert_parity(check(world[f"close_{layout}"]))
 

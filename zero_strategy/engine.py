@@ -451,6 +451,9 @@ class ZeroEngine:
     def save_checkpoint(self, directory: str | os.PathLike, *, tag: str | None = None,
                         client_state: dict[str, Any] | None = None) -> Path:
         """Every rank writes its own shards of a new tag under ``directory`` (atomically)."""
+        # A closed engine has no shards left: what it wrote would hold no parameters and load
+        # nowhere. The plain module saves itself (``torch.save(module.state_dict(), ...)``).
+        self._check_open("save_checkpoint")
         self.runtime.settle()
         with record_function("zero::save_checkpoint"):
             return checkpoint.save(self, directory, tag=tag, client_state=client_state)
@@ -459,6 +462,7 @@ class ZeroEngine:
                         load_optimizer: bool = True) -> dict[str, Any] | None:
         """Resume from a checkpoint written on any world size and stage; returns the client
         state saved with it."""
+        self._check_open("load_checkpoint")
         with record_function("zero::load_checkpoint"):
             return reshard.load(self, directory, tag=tag, load_optimizer=load_optimizer)
 
