@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .eager import eager
 from .params import ParamState
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ class ParamAccess:
         unit = self.place[id(value)][0]
         return None if unit.param_store.state is ParamState.UNSHARDED else unit
 
-    @torch._dynamo.disable  # a gather cannot be traced; torch.compile breaks the graph here
+    @eager  # a gather cannot be traced; torch.compile breaks the graph here
     def gather(self, unit: Unit) -> None:
         self.runtime.gather_for_access(unit)
 

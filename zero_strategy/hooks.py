@@ -18,6 +18,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
+from .eager import eager
+
 if TYPE_CHECKING:
     from .access import ParamAccess
     from .runtime import Runtime
@@ -52,11 +54,11 @@ class HookSet:
 
         # Collectives and storage resizes cannot be traced: under torch.compile the hooks
         # run eagerly between graphs.
-        @torch._dynamo.disable
+        @eager
         def pre(module: torch.nn.Module, args: Any) -> None:
             runtime.pre_forward(unit)
 
-        @torch._dynamo.disable
+        @eager
         def post(module: torch.nn.Module, args: Any, output: Any) -> None:
             runtime.post_forward(unit, output)
 
