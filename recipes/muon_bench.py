@@ -23,6 +23,7 @@ import torch
 from transformers.pytorch_utils import Conv1D
 
 import zero_strategy as zs
+from muon_fp32 import use_fp32_newton_schulz  # this script's folder is on sys.path
 
 _CONV1D: list[Conv1D] = []
 _ADAMW = torch.optim.AdamW
@@ -48,21 +49,6 @@ def muon_and_adamw(params: Any, **adamw: Any) -> torch.optim.Optimizer:
     return zs.CombinedOptimizer([muon, _ADAMW(rest, **adamw)])
 
 
-def newton_schulz_fp32(grad: torch.Tensor, ns_coefficients: tuple[float, float, float],
-                       ns_steps: int, eps: float) -> torch.Tensor:
-    """Muon's quintic Newton-Schulz iteration with fp32 matmuls (torch's casts to bf16)."""
-    a, b, c = ns_coefficients
-    x = grad.float()
-    tall = x.size(0) > x.size(1)
-    if tall:  # iterate on the wide orientation: the Gram matrix is the smaller one
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.T if tall else x
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--anchors", required=True, help="path of shared/bench/anchors.py")
@@ -74,8 +60,7 @@ def main() -> None:
         _record_conv1d()
         torch.optim.AdamW = muon_and_adamw  # type: ignore[misc,assignment]
     if args.ns_fp32:
-        import torch.optim._muon as muon_impl
-        muon_impl._zeropower_via_newtonschulz = newton_schulz_fp32
+        use_fp32_newton_schulz()
     sys.argv = [args.anchors, *[a for a in rest if a != "--"]]
     runpy.run_path(args.anchors, run_name="__main__")
 

@@ -294,7 +294,7 @@ def test_several_optimizers_double_step_and_state_round_trip(runs: dict[str, Out
     weights, states and lrs exactly: the step replayed after it (AdamW first) gives the same
     weights as the step before it."""
     for r in _ok(runs["optimizers"]):
-        assert "optimizer 0 (Muon) was stepped twice without a backward" in r["double_step"]
+        assert "optimizer 0 (Fp32Muon) was stepped twice without a backward" in r["double_step"]
         assert r["loaded_lr"] == [so.MUON_LR * so.muon_factor(2 * so.STEPS), so.ADAMW_LR]
         assert r["loaded_rel"] == 0.0 and r["replayed_rel"] == 0.0
 

@@ -88,7 +88,7 @@ def test_several_optimizers_double_step_save_and_load(suite: dict) -> None:
     first) gives the same weights; a state with one of the two optimizers is refused; after a
     no_sync backward, the optimizer not yet stepped cannot use a turn left from before it."""
     for r in check(suite["fabric_several_optimizers"]):
-        assert "optimizer 0 (Muon) was stepped twice without a backward" in r["double_step"]
+        assert "optimizer 0 (Fp32Muon) was stepped twice without a backward" in r["double_step"]
         assert r["loaded_rel"] == 0.0 and r["replayed_rel"] == 0.0
         assert r["loaded_lr"] == r["lr"][-1]
         assert r["partial_save"].startswith("ValueError") and "['muon']" in r["partial_save"]
