@@ -57,5 +57,10 @@ def test_formula_offload_moves_optimizer_to_host() -> None:
     assert est.device_bytes == 1000 * 4 + 1000 * 4 // 2
     with pytest.raises(ValueError, match="offload_params"):
         zs.estimate_memory(1000, stage=2, world_size=2, offload_params=True)
+    # Training on the CPU, the host is the device: offloading adds no master and moves nothing.
+    for stage, kw in ((2, {"offload_optimizer": True}),
+                      (3, {"offload_optimizer": True, "offload_params": True})):
+        cpu = zs.estimate_memory(1000, stage=stage, world_size=2, host_is_device=True, **kw)
+        assert cpu == zs.estimate_memory(1000, stage=stage, world_size=2)
     with pytest.raises(ValueError, match="world_size"):
         zs.estimate_memory(1000, stage=2, world_size=0)

@@ -4,6 +4,17 @@ Keeping the collectives here means one place counts the bytes each rank moves (t
 shows them), one place knows which backend quirks exist, and one place bounds how long a rank
 waits for the others: a stalled or lost peer becomes an error naming the collective and the
 step instead of a silent hang.
+
+The quirk that matters most on a CPU: gloo's flat all-gather receives into a temporary buffer
+of the whole output and copies it out, and its reduce-scatter clones the whole input and
+all-reduces it (twice the bytes of a reduce-scatter) before copying one slice out. For host
+tensors under gloo both are therefore done here as direct exchanges between each pair of
+ranks (gloo's send/recv read and write the tensors themselves): an all-gather sends this
+rank's shard to every peer and receives each peer's into its slice of the output; a
+reduce-scatter sends every peer its slice of the input, receives this rank's slice from each
+peer (the first one straight into the output, the others into scratch memory) and adds them up
+in a fixed order. Same bytes as the ring algorithms,
+no temporary of the whole buffer, half the traffic of gloo's reduce-scatter.
 """
 
 from __future__ import annotations
@@ -100,6 +111,11 @@ def destroy_default_group() -> None:
         dist.destroy_process_group()
 
 
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
+
+
 class Handle(Protocol):
     def wait(self) -> object: ...
 
@@ -121,6 +137,34 @@ class _Pending:
     def wait(self) -> bool:
         self.comm.wait(self.work, self.op)
         return True
+
+
+class _Exchange:
+    """Point-to-point sends and receives that together make one collective; ``wait()`` waits
+    for all of them (bounded like any collective), then runs ``finish`` once."""
+
+    def __init__(self, comm: Communicator, works: list[Any], op: str,
+                 finish: Callable[[], None] | None = None) -> None:
+        self.comm, self.works, self.op, self.finish = comm, works, op, finish
+
+    def wait(self) -> bool:
+        works, self.works = self.works, []
+        for work in works:
+            self.comm.wait(work, self.op)
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            finish()
+        return True
+
+
+Scratch = Callable[[int, torch.dtype], torch.Tensor]
+"""Lends a 1-D tensor of (numel, dtype) for a collective's receive buffer."""
+
+Release = Callable[[torch.Tensor], None]
+
+# Tags of the direct exchanges: each kind of collective matches its sends and receives on its
+# own tag, in the order every rank issues them.
+_GATHER_TAG, _REDUCE_TAG = 11, 12
 
 
 class Communicator:
@@ -158,6 +202,20 @@ class Communicator:
         self._step = step
         self.bytes_sent: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
+        self._scratch: tuple[Scratch, Release] | None = None
+        self._peers = [dist.get_global_rank(group, r) if group is not None else r
+                       for r in range(self.world_size)]
+
+    def use_scratch(self, take: Scratch, give: Release) -> None:
+        """Where receive buffers of the direct exchanges come from and go back to (the
+        engine's buffer pool); without, they are allocated per call."""
+        self._scratch = (take, give)
+
+    @property
+    def _direct(self) -> bool:
+        """Host tensors under gloo: gather and reduce-scatter as direct exchanges."""
+        return (self.world_size > 1 and self.device.type == "cpu"
+                and backend_for(self.backend, "cpu") == "gloo")
 
     def use_device(self, device: torch.device) -> None:
         """Communicate tensors on ``device`` (the compute device); refuses a device the
@@ -240,6 +298,8 @@ class Communicator:
         """Sum ``flat_input`` over ranks; rank r receives the r-th equal slice in ``output``."""
         self._check("reduce_scatter", output, flat_input)
         self._count("reduce_scatter", flat_input.nbytes * self._fraction())
+        if self._direct:
+            return self._reduce_scatter_direct(output, flat_input, async_op)
         group = self.group if self.group is not None else dist.group.WORLD
         if self._wait_timeout is not None and hasattr(group, "_reduce_scatter_base"):
             # gloo's reduce-scatter work ignores wait(timeout) and would block for the
@@ -257,8 +317,60 @@ class Communicator:
         """Concatenate every rank's ``shard`` into ``flat_output`` (rank order)."""
         self._check("all_gather", flat_output, shard)
         self._count("all_gather", flat_output.nbytes * self._fraction())
+        if self._direct:
+            return self._all_gather_direct(flat_output, shard, async_op)
         work = _all_gather(flat_output, shard, group=self.group, async_op=True)
         return self._finish(work, "all_gather", async_op)
+
+    def _all_gather_direct(self, flat_output: torch.Tensor, shard: torch.Tensor,
+                           async_op: bool) -> Handle:
+        pieces = flat_output.view(self.world_size, -1)
+        works = []
+        for r, piece in enumerate(pieces):
+            if r == self.rank:
+                if piece.data_ptr() != shard.data_ptr():
+                    piece.copy_(shard)
+                continue
+            works.append(dist.isend(shard, self._peers[r], group=self.group, tag=_GATHER_TAG))
+            works.append(dist.irecv(piece, self._peers[r], group=self.group, tag=_GATHER_TAG))
+        return self._finish_exchange(_Exchange(self, works, "all_gather"), async_op)
+
+    def _reduce_scatter_direct(self, output: torch.Tensor, flat_input: torch.Tensor,
+                               async_op: bool) -> Handle:
+        if _overlaps(output, flat_input):
+            raise ValueError("reduce_scatter: the output must not alias the input")
+        pieces = flat_input.view(self.world_size, -1)
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        # The first peer's piece lands in ``output`` itself; only the others need scratch
+        # (none on two ranks).
+        take, give = self._scratch or (self._allocate, lambda t: None)
+        scratch = take((len(peers) - 1) * output.numel(), output.dtype) if peers[1:] else None
+        targets = [output] + (list(scratch.view(len(peers) - 1, -1)) if scratch is not None
+                              else [])
+        works = []
+        for peer, target in zip(peers, targets):
+            works.append(dist.isend(pieces[peer], self._peers[peer], group=self.group,
+                                    tag=_REDUCE_TAG))
+            works.append(dist.irecv(target, self._peers[peer], group=self.group,
+                                    tag=_REDUCE_TAG))
+
+        def finish() -> None:  # peers in rank order, then this rank: the same order every step
+            for target in targets[1:]:
+                output.add_(target)
+            output.add_(pieces[self.rank])
+            if scratch is not None:
+                give(scratch)
+
+        return self._finish_exchange(_Exchange(self, works, "reduce_scatter", finish), async_op)
+
+    def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def _finish_exchange(self, exchange: _Exchange, async_op: bool) -> Handle:
+        if not async_op:
+            exchange.wait()
+            return _Done()
+        return exchange
 
     def all_to_all(self, send: torch.Tensor, send_counts: list[int],
                    recv_counts: list[int]) -> torch.Tensor:

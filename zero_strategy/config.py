@@ -103,9 +103,12 @@ class ZeroConfig:
     other ranks' old values: take references after ``step()``, or set False to wait in
     ``step()``."""
     offload_optimizer: bool = False
-    """Keep the fp32 master shard and optimizer states in CPU memory and step there (stage >= 1)."""
+    """Keep the fp32 master shard and optimizer states in CPU memory and step there (stage >= 1).
+    On a CPU device they are in CPU memory already: nothing is moved or copied, and memory is
+    that of the same run without offloading."""
     offload_params: bool = False
-    """Stage 3: keep parameter shards in CPU memory between gathers."""
+    """Stage 3: keep parameter shards in CPU memory between gathers (on a CPU device: where
+    they are already, at no cost)."""
     broadcast_buffers: bool = True
     """Broadcast rank 0's module buffers at every forward, as DistributedDataParallel does."""
     nonfinite_grads: str = "skip"

@@ -15,6 +15,7 @@ from torch.profiler import record_function
 
 from . import checkpoint, offload, reshard
 from .access import ParamAccess
+from .buffers import BufferPool
 from .collectives import Communicator, default_device
 from .combined import CombinedOptimizer
 from .combined import parts as optimizer_parts
@@ -25,6 +26,7 @@ from .memory import estimate_memory, storage_bytes
 from .optim_state import UserOptimizerPatch, full_state_dict, load_full_state_dict
 from .optimizer import ShardedOptimizer, placement
 from .owner import OwnerPart
+from .params import Placement
 from .plan import make_plan
 from .precision import LossScaler
 from .runtime import Runtime
@@ -75,7 +77,11 @@ class ZeroEngine:
         self.user_optimizer = optimizer
         self._optimizer_signature = _signature(optimizer)
         self.transfers = offload.Transfers.for_device(self.device)
-        self.units = build_units(model, managed, group_of, self.plan, self.comm, self.transfers,
+        self.pool = BufferPool(self.device)
+        self.comm.use_scratch(self.pool.take, self.pool.give)
+        self.placement = Placement(self.device, self.plan.offload_optimizer,
+                                   self.plan.offload_params, self.transfers, self.pool)
+        self.units = build_units(model, managed, group_of, self.plan, self.comm, self.placement,
                                  materializer)
         if materializer is not None:
             materializer.finish()
@@ -303,7 +309,7 @@ class ZeroEngine:
                                ".grad from before; set it to None first (optimizer.zero_grad())")
         self.runtime.settle()
         self.runtime.reshard_all()
-        units = build_units(self.module, new, group_of, self.plan, self.comm, self.transfers,
+        units = build_units(self.module, new, group_of, self.plan, self.comm, self.placement,
                             first_index=len(self.units))
         self.units.extend(units)
         for name, p in new:
@@ -503,6 +509,7 @@ class ZeroEngine:
             precision=self.config.precision, optimizer_states=self.optimizer.states_per_param(),
             reduce_dtype=self.config.reduce_dtype, offload_optimizer=self.config.offload_optimizer,
             offload_params=self.config.offload_params,
+            host_is_device=not self.transfers.host_is_separate,
             placed_params=sum(p.placed_numel() for p in owner_parts),
             owned_params=sum(p.owned_numel() for p in owner_parts),
             placed_states=max((p.states_per_param() for p in owner_parts), default=0),

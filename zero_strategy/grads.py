@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from .buffers import BufferPool
 from .collectives import Communicator, Handle
 from .flat import FlatLayout
 
@@ -23,11 +24,13 @@ class GradStore(ABC):
     layout: FlatLayout
     grad_shard: torch.Tensor
 
-    def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype, device: torch.device,
+                 pool: BufferPool):
         self.layout = layout
         self.rank = rank
         self.dtype = dtype
         self.device = device
+        self.pool = pool
         self._pending: tuple[Handle, torch.Tensor | None] | None = None
 
     def _local_view(self, buf: torch.Tensor, index: int) -> torch.Tensor:
@@ -65,8 +68,9 @@ class GradStore(ABC):
 class AllReducedGrads(GradStore):
     """Stage 0: every rank keeps the full gradient and all-reduces it (data parallel)."""
 
-    def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype, device: torch.device):
-        super().__init__(layout, rank, dtype, device)
+    def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype, device: torch.device,
+                 pool: BufferPool):
+        super().__init__(layout, rank, dtype, device, pool)
         self.buffer = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
         self.grad_shard = self.buffer
 
@@ -97,8 +101,9 @@ class ScatteredFullGrads(GradStore):
     reduce to the same result as one.
     """
 
-    def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype, device: torch.device):
-        super().__init__(layout, rank, dtype, device)
+    def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype, device: torch.device,
+                 pool: BufferPool):
+        super().__init__(layout, rank, dtype, device, pool)
         self.buffer = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
         lo, hi = layout.shard_bounds(rank)
         self.grad_shard = self.buffer[lo:hi]
@@ -112,7 +117,8 @@ class ScatteredFullGrads(GradStore):
         self._local_view(self.buffer, index).add_(grad)
 
     def launch_reduce(self, comm: Communicator) -> None:
-        out = torch.empty_like(self.grad_shard)
+        # Not straight into ``grad_shard``: it is a slice of the input being reduced.
+        out = self.pool.take(self.grad_shard.numel(), self.dtype)
         self._world_size = comm.world_size  # what the average is taken over
         self.buffer.div_(comm.world_size)
         self._pending = (comm.reduce_scatter(out, self.buffer, async_op=True), out)
@@ -122,6 +128,7 @@ class ScatteredFullGrads(GradStore):
         assert reduced is not None
         self.buffer.zero_()
         self.grad_shard.copy_(reduced)
+        self.pool.give(reduced)
         self._holds_average = True
 
     def zero(self) -> None:
@@ -134,13 +141,26 @@ class ScatteredFullGrads(GradStore):
 
 class ShardedGrads(GradStore):
     """Stages 2-3: a full-size buffer exists only between the first local gradient and its
-    reduce-scatter; afterwards each rank holds just its reduced shard (allocated at the first
-    reduction, so building the engine allocates no gradient memory)."""
+    reduce-scatter (memory from the pool); afterwards each rank holds just its reduced shard
+    (allocated at the first reduction, so building the engine allocates no gradient memory).
+    The first reduction after ``zero`` lands in the shard itself; later ones (several
+    synchronised backward passes per step) go through a pooled buffer and are added.
 
-    def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype, device: torch.device):
-        super().__init__(layout, rank, dtype, device)
+    A unit of one parameter whose gradient fills the padded buffer exactly (most stage-3
+    units: one weight matrix) reduces autograd's gradient tensor itself instead of a copy:
+    autograd hands each ``.grad`` over exclusively (it steals an unshared result or clones),
+    and the runtime drops the parameter's reference right after."""
+
+    def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype, device: torch.device,
+                 pool: BufferPool):
+        super().__init__(layout, rank, dtype, device, pool)
         self._shard: torch.Tensor | None = None
+        self._summed = False
+        """Whether ``_shard`` holds a reduced gradient (else zeros, or nothing yet)."""
         self.local: torch.Tensor | None = None
+        self._adopted = False
+        """Whether ``local`` is a gradient autograd produced (not pool memory)."""
+        self._adoptable = len(layout.slots) == 1 and layout.numel == layout.padded_numel
 
     @property  # type: ignore[override]
     def grad_shard(self) -> torch.Tensor:
@@ -149,28 +169,57 @@ class ShardedGrads(GradStore):
                                       device=self.device)
         return self._shard
 
+    def _take_local(self) -> torch.Tensor:
+        self.local = self.pool.take(self.layout.padded_numel, self.dtype).zero_()
+        return self.local
+
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
-        if self.local is None:
-            self.local = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
-        self._local_view(self.local, index).add_(grad)
+        if self.local is None and self._adoptable and self._owns_storage(grad):
+            self.local, self._adopted = grad.view(-1), True
+            return
+        local = self.local if self.local is not None else self._take_local()
+        self._local_view(local, index).add_(grad)
+
+    def _owns_storage(self, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` is a whole dense tensor of the reduce dtype alone in its storage,
+        so dividing it in place changes nothing another tensor shows. Autograd already clones
+        a gradient it cannot hand over (one a user retained, say); this keeps the reduction
+        from dividing memory it does not own should a gradient still arrive as a view."""
+        return (grad.dtype == self.dtype and grad.device == self.device
+                and grad.layout == torch.strided and grad.is_contiguous()
+                and not grad._is_view() and grad.storage_offset() == 0
+                and grad.untyped_storage().nbytes() == grad.nbytes)
+
+    def _drop_local(self) -> None:
+        if self.local is not None and not self._adopted:
+            self.pool.give(self.local)
+        self.local, self._adopted = None, False
 
     def launch_reduce(self, comm: Communicator) -> None:
-        if self.local is None:  # nothing reached this unit on this rank: contribute zeros
-            self.local = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
-        out = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
-        self.local.div_(comm.world_size)
-        self._pending = (comm.reduce_scatter(out, self.local, async_op=True), out)
+        # Nothing reached this unit on this rank: it still contributes (zeros).
+        local = self.local if self.local is not None else self._take_local()
+        out = (self.pool.take(self.layout.shard_numel, self.dtype) if self._summed
+               else self.grad_shard)
+        local.div_(comm.world_size)
+        self._pending = (comm.reduce_scatter(out, local, async_op=True), out)
 
     def finish_reduce(self) -> None:
         reduced = self.wait()
-        assert reduced is not None
-        self.grad_shard.add_(reduced)
-        self.local = None
+        assert reduced is not None and self.local is not None
+        if reduced is not self._shard:
+            self.grad_shard.add_(reduced)
+            self.pool.give(reduced)
+        self._summed = True
+        self._drop_local()
 
     def zero(self) -> None:
+        in_flight = self.wait()  # a pass cut short may have left a reduction running
+        if in_flight is not None and in_flight is not self._shard:
+            self.pool.give(in_flight)
         if self._shard is not None:
             self._shard.zero_()
-        self.local = None  # a pass cut short by an exception may have left partial sums
+        self._summed = False
+        self._drop_local()  # partial sums of such a pass
 
     def held_tensors(self) -> list[torch.Tensor]:
         held = [t for t in (self._shard, self.local) if t is not None]

@@ -55,7 +55,7 @@ def estimate_memory(
     num_params: int, *, stage: int, world_size: int, precision: str = "32-true",
     optimizer_states: int = 2, reduce_dtype: str = "fp32", offload_optimizer: bool = False,
     offload_params: bool = False, placed_params: int = 0, owned_params: int = 0,
-    placed_states: int = 0, elementwise_here: int | None = None,
+    placed_states: int = 0, elementwise_here: int | None = None, host_is_device: bool = False,
 ) -> MemoryEstimate:
     """Model-state bytes one rank holds under the ZeRO formula (``optimizer_states``: state
     tensors per parameter, 2 for Adam). Offloaded parts count as host bytes.
@@ -64,7 +64,8 @@ def estimate_memory(
     ``placed_states`` parameter-sized states (1 for Muon); this rank owns ``owned_params``
     of them. ``elementwise_here``: how many elements of the other parameters lie in this
     rank's shard (flat shards cut across parameters, so with some placed ones the rest need not
-    split evenly); by default an even share."""
+    split evenly); by default an even share. ``host_is_device``: training on the CPU, where
+    offloading moves nothing (no separate fp32 master, no host bytes apart from the device's)."""
     if not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params must be an int >= 0, got {num_params!r}")
     if not isinstance(world_size, int) or world_size < 1:
@@ -81,6 +82,8 @@ def estimate_memory(
         offload_optimizer=offload_optimizer, offload_params=offload_params,
     )
     policy = make_policy(config)
+    if host_is_device:
+        offload_optimizer = offload_params = False
     p = _size(policy.compute_dtype)
     g = _size(policy.reduce_dtype)
     separate_master = policy.separate_master or offload_optimizer or offload_params

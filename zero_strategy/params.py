@@ -10,14 +10,15 @@ the only code that changes what the module's parameters hold:
 
     SHARDED --start_unshard--> GATHERING --finish_unshard--> UNSHARDED --reshard--> SHARDED
 
-- SHARDED: the flat buffer's storage is given back; every parameter holds a placeholder of
+- SHARDED: the flat buffer's memory is back in the engine's pool (``buffers.py``), its storage
+  object empty; every parameter holds a placeholder of
   its full shape expanded from one NaN element (never a tensor over freed memory): shapes and
   ``numel()`` stay right for code that inspects them (Lightning's ModelSummary), a stray read
   computes NaN instead of reading freed memory, and a write raises (its elements alias).
 - GATHERING: an all-gather is writing the buffer; parameters still hold the placeholder.
 - UNSHARDED: parameters are views of the gathered buffer. Tensors autograd saved during
-  forward alias the buffer's storage object, which is resized rather than replaced, so they
-  see the re-gathered values in backward.
+  forward alias the buffer's storage object, which is lent memory rather than replaced, so
+  they see the re-gathered values in backward.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from . import offload
+from .buffers import BufferPool
 from .collectives import Communicator, Handle
 from .flat import FlatLayout
 from .precision import PrecisionPolicy
@@ -41,15 +43,21 @@ class ParamState(enum.Enum):
 
 
 class Placement:
-    """Where the master shard and (stage 3) the at-rest parameter shard live, and the
-    transfers that move offloaded ones."""
+    """Where the master shard and (stage 3) the at-rest parameter shard live, the transfers
+    that move offloaded ones, and the pool lending memory to gathered buffers.
+
+    Offloading takes effect only where host memory is apart from the compute device's (a GPU):
+    on a CPU device an offloaded master or shard would be a second copy of the same bytes in
+    the same memory, so there the stores keep one copy, as without offloading."""
 
     def __init__(self, device: torch.device, offload_optimizer: bool, offload_params: bool,
-                 transfers: offload.Transfers):
+                 transfers: offload.Transfers, pool: BufferPool):
         self.device = device
-        self.offload_optimizer = offload_optimizer
-        self.offload_params = offload_params
+        apart = transfers.host_is_separate
+        self.offload_optimizer = offload_optimizer and apart
+        self.offload_params = offload_params and apart
         self.transfers = transfers
+        self.pool = pool
 
     def master_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if self.offload_optimizer:
@@ -290,8 +298,10 @@ class ShardedParams(ParamStore):
         else:
             self.master = self.shard
         del flat
-        self.full = torch.empty(layout.padded_numel, dtype=policy.compute_dtype,
-                                device=placement.device)
+        # Memory from the pool, given back by ``reshard`` below: units built one after
+        # another reuse one block, and the buffer's storage object stays this unit's for good.
+        self.pool = placement.pool
+        self.full = self.pool.take(layout.padded_numel, policy.compute_dtype)
         self._full_nbytes = self.full.untyped_storage().nbytes()
         self.params = params
         nan = torch.full((1,), float("nan"), dtype=policy.compute_dtype, device=placement.device)
@@ -323,7 +333,7 @@ class ShardedParams(ParamStore):
     def start_unshard(self, comm: Communicator) -> None:
         if self._state is not ParamState.SHARDED:
             return
-        self.full.untyped_storage().resize_(self._full_nbytes)
+        self.pool.lend(self.full.untyped_storage(), self._full_nbytes)
         self._source = self._device_shard()
         self._handle = comm.all_gather(self.full, self._source, async_op=True)
         self._state = ParamState.GATHERING
@@ -343,7 +353,7 @@ class ShardedParams(ParamStore):
         if self._state is ParamState.UNSHARDED:
             for p, placeholder in zip(self.params, self._placeholders):
                 p.data = placeholder
-            self.full.untyped_storage().resize_(0)
+            self.pool.reclaim(self.full.untyped_storage())
             self._state = ParamState.SHARDED
 
     def shares_storage(self, tensor: torch.Tensor) -> bool:

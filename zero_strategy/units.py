@@ -201,11 +201,10 @@ def plan_specs(model: nn.Module, managed: NamedParams, plan: ZeroPlan) -> list[U
 
 def build_units(
     model: nn.Module, managed: NamedParams, group_of: dict[int, int], plan: ZeroPlan,
-    comm: Communicator, transfers: Transfers, materializer: Materializer | None = None,
-    first_index: int = 0,
+    comm: Communicator, placement: Placement,
+    materializer: Materializer | None = None, first_index: int = 0,
 ) -> list[Unit]:
-    device = transfers.device
-    placement = Placement(device, plan.offload_optimizer, plan.offload_params, transfers)
+    device, pool = placement.device, placement.pool
     policy = plan.policy
     shard_rank = comm.rank if plan.optimizer_shards > 1 else 0
     units = []
@@ -219,6 +218,8 @@ def build_units(
         pstore = PARAM_STORES[spec.kind.params](
             params, layout, shard_rank, policy, placement, comm
         )
-        gstore = GRAD_STORES[spec.kind.grads](layout, shard_rank, policy.reduce_dtype, device)
-        units.append(Unit(index, spec, layout, pstore, gstore, params, plan.offload_optimizer))
+        gstore = GRAD_STORES[spec.kind.grads](layout, shard_rank, policy.reduce_dtype, device,
+                                              pool)
+        units.append(Unit(index, spec, layout, pstore, gstore, params,
+                          placement.offload_optimizer))
     return units

@@ -1,0 +1,68 @@
+"""Gloo's all-gather and reduce-scatter on host tensors done as direct exchanges, the buffer
+pool, gradients reduced where autograd put them: on 2 and 3 gloo processes
+(tests/scenarios_collectives.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.harness import check, run_world
+from zero_strategy.buffers import BufferPool
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def world(request: pytest.FixtureRequest) -> tuple[int, dict]:
+    return request.param, run_world("tests/scenarios_collectives.py", request.param)
+
+
+def test_all_gather_equals_gloos_bit_for_bit(world: tuple[int, dict]) -> None:
+    for r in check(world[1]["all_gather_matches_gloo"]):
+        assert all(r["equal"]) and all(r["in_place"]), r
+        assert r["bytes"] == r["expected_bytes"]  # what each rank sends: N-1 shards
+
+
+def test_reduce_scatter_is_the_sum_within_its_rounding(world: tuple[int, dict]) -> None:
+    n, results = world
+    for r in check(results["reduce_scatter_matches_the_sum"]):
+        assert r["worst_over_bound"] <= 1.0, r
+        assert r["exact_two"], "on two ranks a + b is the correctly rounded sum"
+        # The first peer's slice lands in the output: scratch only for the others.
+        if n == 2:
+            assert r["scratch"] == []
+        else:
+            assert r["scratch"] == [(n - 2) * k for k in (1, 4096, 100_003)]
+            assert r["pool_blocks"] >= 1, "scratch goes back to the pool"
+        assert "must not alias" in r["aliased"]
+
+
+def test_stage3_pool_holds_the_same_blocks_every_step(world: tuple[int, dict]) -> None:
+    for r in check(world[1]["pool_reuses_the_same_blocks_every_step"]):
+        steps = r["steps"]
+        assert steps[1]["pool_bytes"] > 0
+        assert all(s == steps[1] for s in steps[2:]), steps
+        assert r["units"] > 1 and r["same_storage"] and r["freed"]
+
+
+def test_a_retained_gradient_is_not_divided_in_place(world: tuple[int, dict]) -> None:
+    for r in check(world[1]["retained_gradients_are_left_alone"]):
+        assert r["equal"]
+
+
+def test_pool_lends_into_a_storage_and_takes_the_memory_back() -> None:
+    pool = BufferPool(torch.device("cpu"))
+    full = pool.take(6, torch.float32)
+    views = [full[:2].view(1, 2), full[2:]]
+    storage = full.untyped_storage()
+    pool.reclaim(storage)
+    assert storage.nbytes() == 0 and pool.held_bytes() == 24
+    pool.lend(storage, 24)
+    assert storage.nbytes() == 24 and pool.held_bytes() == 0
+    full.copy_(torch.arange(6.0))
+    assert views[0].tolist() == [[0.0, 1.0]] and views[1].tolist() == [2.0, 3.0, 4.0, 5.0]
+    pool.reclaim(storage)
+    other = pool.take(6, torch.float32)  # the same memory, now under another tensor
+    assert other.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] and pool.held_bytes() == 0
+    pool.give(other)
+    pool.lend(storage, 24)
+    assert full.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
