@@ -96,14 +96,20 @@ def _deepspeed_strategy_class() -> type:
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     class CpuDeepSpeedStrategy(DeepSpeedStrategy):
-        """Lightning's DeepSpeedStrategy; on a CPU accelerator its CUDA-only check is
-        skipped (DeepSpeed picks its CPU accelerator from ``DS_ACCELERATOR=cpu``)."""
+        """Lightning's DeepSpeedStrategy; on a CPU accelerator its CUDA-only check is skipped
+        (DeepSpeed picks its CPU accelerator from ``DS_ACCELERATOR=cpu``) and the CPU devices
+        get the local ranks as indices: Lightning checks that device indices equal local
+        ranks and hands DeepSpeed ``device_rank=root_device.index``, which DeepSpeed
+        compares with 0 (a bare CPU device's index is None; torch treats ``cpu:1`` as
+        ``cpu``)."""
 
         def setup_environment(self) -> None:
-            if isinstance(self.accelerator, CPUAccelerator):
-                DDPStrategy.setup_environment(self)
-            else:
+            if not isinstance(self.accelerator, CPUAccelerator):
                 super().setup_environment()
+                return
+            self.parallel_devices = [torch.device("cpu", i)
+                                     for i in range(len(self.parallel_devices or []))]
+            DDPStrategy.setup_environment(self)
 
     return CpuDeepSpeedStrategy
 

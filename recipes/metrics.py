@@ -53,7 +53,9 @@ def strategy_label(strategy: Any) -> tuple[str, int | None]:
 def optimizer_label(optimizers: list[Any]) -> str:
     """The optimizer classes that stepped, ``+``-joined for a CombinedOptimizer's parts
     (``muon+adamw``)."""
-    parts = [p for opt in optimizers for p in getattr(opt, "optimizers", [opt])]
+    # DeepSpeed's ZeRO optimizers wrap the one configure_optimizers returned (.optimizer).
+    inner = [o.optimizer if type(o).__module__.startswith("deepspeed") else o for o in optimizers]
+    parts = [p for opt in inner for p in getattr(opt, "optimizers", [opt])]
     return "+".join(type(p).__name__.lower() for p in parts)
 
 
@@ -226,7 +228,8 @@ class JobMetrics(L.Callback):
         return {"rank": trainer.global_rank, "peak_rss_mib": _status_mib("VmHWM") - self.base_rss,
                 "model_state_bytes": int(states["held"]),
                 "predicted_bytes": int(states["predicted"]),
-                "model_state_by_kind": states["by_kind"], "num_params": int(states["num_params"]),
+                "model_state_by_kind": states["by_kind"],
+                "model_state_labels": states.get("labels"), "num_params": int(states["num_params"]),
                 "first_loss": self.first_loss, "train_loss": self.train_loss,
                 "startup_s": self.startup}
 
