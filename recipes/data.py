@@ -11,6 +11,7 @@ batches.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,10 @@ def train_tokenizer(vocab_size: int):  # -> tokenizers.Tokenizer
     return tok
 
 
+@functools.lru_cache(maxsize=4)
 def token_stream(vocab_size: int) -> torch.Tensor:
+    """The help text as token ids (memoised: a Hydra process that prepared it before forking
+    a job's workers hands it to them; recipes/agent.py)."""
     tok = train_tokenizer(vocab_size)
     return torch.tensor(tok.encode(pydoc_text()).ids, dtype=torch.long)
 

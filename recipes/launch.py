@@ -6,15 +6,12 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
+import agent
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-
-HERE = Path(__file__).resolve().parent
 
 
 def job_dir() -> Path:
@@ -120,15 +117,15 @@ def run_job(cfg: DictConfig, out: Path | None = None) -> float:
         env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator
     # A worker that dies (process or node lost) makes torch.distributed.run restart them all;
     # they resume from the job's last checkpoint (worker.py).
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node", str(nproc), "--max-restarts", str(int(cfg.trainer.max_restarts)),
-           str(HERE / "worker.py"), str(config_file)]
-    print(f"[{cfg.name}] {nproc} processes: {' '.join(cmd[2:])}", flush=True)
-    try:
-        proc = subprocess.run(cmd, env=env, timeout=int(cfg.trainer.timeout_s))
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        code = "timeout"
+    argv = agent.torchrun_args(nproc, int(cfg.trainer.max_restarts), config_file)
+    how = "forked from this preloaded process" if cfg.trainer.preload else "new interpreters"
+    print(f"[{cfg.name}] {nproc} processes: torch.distributed.run {' '.join(argv)} ({how})",
+          flush=True)
+    if cfg.trainer.preload:
+        agent.preload(OmegaConf.to_container(cfg.data), OmegaConf.to_container(cfg.model))
+        code = agent.run_forked(argv, env, int(cfg.trainer.timeout_s))
+    else:
+        code = agent.run_subprocess(argv, env, int(cfg.trainer.timeout_s))
     metrics_file = out / "metrics.json"
     if code != 0 or not metrics_file.exists():
         raise RuntimeError(f"job {cfg.name!r} failed (exit {code}); its output is above, its "

@@ -84,6 +84,7 @@ class JobMetrics(L.Callback):
         """The optimizer step of the newest validation (None: none ran yet)."""
         self._t: float | None = None
         self._comm0 = (0, 0)
+        self._counting = False
         self._comm_end: tuple[int, int] | None = None
         self._excluded = [0, 0]
         self._outside_from: tuple[int, int] | None = None
@@ -154,7 +155,10 @@ class JobMetrics(L.Callback):
                              idx: int) -> None:
         if "first_batch" not in self.startup:
             self.mark("first_batch")
-        if trainer.global_step == WARMUP_STEPS and self._t is None:
+        if trainer.global_step == WARMUP_STEPS and not self._counting:
+            # (This once tested `self._t is None`, true only before the first batch: the
+            # warm-up steps' bytes were divided by the timed steps, 2x at max_steps=6.)
+            self._counting = True
             self._comm0 = self._comm_totals(trainer)
             self._excluded = [0, 0]
         self._t = time.perf_counter()
@@ -231,7 +235,7 @@ class JobMetrics(L.Callback):
                 "model_state_by_kind": states["by_kind"],
                 "model_state_labels": states.get("labels"), "num_params": int(states["num_params"]),
                 "first_loss": self.first_loss, "train_loss": self.train_loss,
-                "startup_s": self.startup}
+                "startup_s": self.startup, "pg_calls": dict(COUNTER.calls)}
 
     def finish(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         ranks = [None] * trainer.world_size

@@ -156,6 +156,11 @@ class TrainerConf:
     max_restarts: int = 3
     """When a worker fails (a process or node lost), torch.distributed.run restarts all of
     them up to this many times; they resume from the last checkpoint. 0 disables restarts."""
+    preload: bool = True
+    """Fork each job's torch.distributed.run agent and workers from the Hydra process, which
+    imports torch, Lightning, transformers and zero_strategy and prepares the data once
+    (recipes/agent.py); false: start them as new interpreters (python -m
+    torch.distributed.run). Either way every job is a new set of processes and a new world."""
     checkpoint_every: int = 100
     """Save the job's full state every this many optimizer steps (0: never) into
     <job dir>/checkpoints/last.ckpt, replaced atomically; restarted workers resume from it."""
