@@ -87,10 +87,12 @@ def check_strategy(cfg: DictConfig) -> None:
         missing = deepspeed_missing()
         if missing is not None:
             raise ValueError(f"strategy={s.name}: {missing}")
-        if s.offload and shutil.which("c++") is None and shutil.which("g++") is None:
-            raise ValueError(f"strategy={s.name}: DeepSpeed's CPU Adam (needed for offload) is "
-                             "compiled on first use and no C++ compiler (c++ or g++) is on "
-                             "PATH; install one (apt-get install g++)")
+        if cfg.trainer.accelerator == "cpu" and shutil.which("c++") is None:
+            # DS_ACCELERATOR=cpu compiles its shared-memory communication op when the
+            # process group starts, and the offload presets its CPU Adam, on first use.
+            raise ValueError(f"strategy={s.name}: DeepSpeed on CPU compiles C++ ops on first "
+                             "use (shm_comm; cpu_adam for offload) and no C++ compiler (c++) "
+                             "is on PATH; install one (apt-get install g++)")
 
 
 ANCHOR_CLASS = {"ddp": "DDPStrategy", "fsdp": "FSDPStrategy", "deepspeed": "DeepSpeedStrategy"}
