@@ -255,7 +255,13 @@ def test_killed_worker_restarts_and_ends_with_the_uninterrupted_weights(
                cwd=tmp_path, env={"ZS_FAULT_KILL_STEP": "5", "ZS_FAULT_KILL_RANK": "1"})
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-4000:]
-    assert "exitcode: -9" in log and "Restoring states from the checkpoint" in log, log[-4000:]
+    # The agent reports the SIGKILL as a script's exit code, or (workers forked from the
+    # preloaded Hydra process, recipes/agent.py) as the signal that ended the process.
+    # Forked workers: rank 0's collective fails first when rank 1 dies, and the agent may
+    # report that exception rather than the signal.
+    killed = any(k in log for k in ("exitcode: -9", "SIGKILL", "ProcessExitedException",
+                                    "ProcessRaisedException"))
+    assert killed and "Restoring states from the checkpoint" in log, log[-4000:]
     sweep_dir, _ = sweep
     reference = next(m for m in (json.loads(p.read_text()) for p in sweep_dir.glob(
         "*/metrics.json")) if m["strategy"] == "zero3")
