@@ -1,5 +1,7 @@
 """Real data that ships with the installed packages, so recipes run offline.
 
+Also random token ids (``kind: random``) for the benchmark regimes.
+
 Text: the English help topics in the standard library's ``pydoc_data`` (~470 kB), tokenized
 with a byte-level BPE trained on the fly by ``tokenizers``. Images: scikit-learn's bundled 8x8
 handwritten digits (1,797 images, 10 classes). Splits are fixed by seed, and every per-item
@@ -9,6 +11,7 @@ batches.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +39,10 @@ def train_tokenizer(vocab_size: int):  # -> tokenizers.Tokenizer
     return tok
 
 
+@functools.lru_cache(maxsize=4)
 def token_stream(vocab_size: int) -> torch.Tensor:
+    """The help text as token ids (memoised: a Hydra process that prepared it before forking
+    a job's workers hands it to them; recipes/agent.py)."""
     tok = train_tokenizer(vocab_size)
     return torch.tensor(tok.encode(pydoc_text()).ids, dtype=torch.long)
 
@@ -119,6 +125,17 @@ def text_splits(kind: str, vocab_size: int, seq_len: int, val_fraction: float,
         return Splits(CausalChunks(chunks[train_idx]), CausalChunks(chunks[val_idx]), vocab_size)
     return Splits(MaskedChunks(chunks[train_idx], vocab_size, seed),
                   MaskedChunks(chunks[val_idx], vocab_size, seed + 1), vocab_size)
+
+
+def random_splits(vocab_size: int, seq_len: int, samples: int, val_fraction: float,
+                  seed: int) -> Splits:
+    """Uniformly random token ids (the benchmark regimes' data: nothing to learn, so the
+    loss stays near ln(vocab); what is measured is the systems' cost on fixed shapes).
+    Seeded, so every strategy sees the same sequences."""
+    gen = torch.Generator().manual_seed(seed)
+    chunks = torch.randint(0, vocab_size, (samples, seq_len), generator=gen)
+    train_idx, val_idx = split(samples, val_fraction, seed)
+    return Splits(CausalChunks(chunks[train_idx]), CausalChunks(chunks[val_idx]), vocab_size)
 
 
 def digit_splits(image_size: int, val_fraction: float, seed: int) -> Splits:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
+import shutil
+import time
 from pathlib import Path
 
+import agent
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-
-HERE = Path(__file__).resolve().parent
 
 
 def job_dir() -> Path:
@@ -43,39 +42,92 @@ def check_job(cfg: DictConfig) -> None:
             raise ValueError(f"optimized_metric={metric!r} needs validation, but "
                              f"trainer.limit_val_batches={cfg.trainer.limit_val_batches} runs "
                              "none; set it to 1 or more")
-    if cfg.strategy.name != "ddp":
+    check_strategy(cfg)
+
+
+def check_strategy(cfg: DictConfig) -> None:
+    """The strategy's keys as its implementation reads them: ZeroConfig's fields under
+    ``strategy.zero`` for zero_strategy; for DDP and the anchors (Lightning's FSDP and
+    DeepSpeed strategies) only a stage they have, and no ``strategy.zero`` keys (they would
+    be silently ignored)."""
+    import schema
+
+    s, impl = cfg.strategy, str(cfg.strategy.impl)
+    if impl == "zero":
         from zero_strategy.config import ZeroConfig
 
-        ZeroConfig.from_dict({"stage": int(cfg.strategy.stage),
-                              "precision": str(cfg.precision.name),
-                              **schema.zero_options(cfg.strategy.zero)},
-                             source="strategy.zero")
+        if s.offload:
+            raise ValueError(f"strategy.offload is for the anchors (fsdp, deepspeed); "
+                             f"strategy={s.name} offloads with strategy.zero.offload_optimizer "
+                             "and strategy.zero.offload_params")
+        ZeroConfig.from_dict({"stage": int(s.stage), "precision": str(cfg.precision.name),
+                              **schema.zero_options(s.zero)}, source="strategy.zero")
+        return
+    stray = sorted(schema.zero_options(s.zero))
+    if stray:
+        raise ValueError(
+            f"strategy.zero.{stray[0]}: strategy={s.name} is Lightning's "
+            f"{ANCHOR_CLASS[impl]}, which does not read zero_strategy's options "
+            f"(strategy.zero.*); remove them, or pick a zero* strategy")
+    stages = ANCHOR_STAGES[impl]
+    if s.stage not in stages:
+        raise ValueError(f"strategy.stage={s.stage} with strategy.impl={impl}: allowed "
+                         f"{list(stages)}")
+    if impl == "ddp":
+        if s.offload:
+            raise ValueError("strategy.offload=true with strategy.impl=ddp: DDP has no offload")
+        return
+    if cfg.optim.name != "adamw":
+        raise ValueError(f"optim.name={cfg.optim.name!r} with strategy={s.name}: the anchors "
+                         "train with AdamW only (Muon needs whole matrices, which FSDP's and "
+                         "DeepSpeed's flat shards cut); use optim=adamw")
+    if impl == "deepspeed":
+        from anchors import deepspeed_missing
+
+        missing = deepspeed_missing()
+        if missing is not None:
+            raise ValueError(f"strategy={s.name}: {missing}")
+        if cfg.trainer.accelerator == "cpu" and shutil.which("c++") is None:
+            # DS_ACCELERATOR=cpu compiles its shared-memory communication op when the
+            # process group starts, and the offload presets its CPU Adam, on first use.
+            raise ValueError(f"strategy={s.name}: DeepSpeed on CPU compiles C++ ops on first "
+                             "use (shm_comm; cpu_adam for offload) and no C++ compiler (c++) "
+                             "is on PATH; install one (apt-get install g++)")
+
+
+ANCHOR_CLASS = {"ddp": "DDPStrategy", "fsdp": "FSDPStrategy", "deepspeed": "DeepSpeedStrategy"}
+ANCHOR_STAGES: dict[str, tuple[int | None, ...]] = {
+    "ddp": (None,), "fsdp": (2, 3), "deepspeed": (1, 2, 3)}
 
 
 def run_job(cfg: DictConfig, out: Path | None = None) -> float:
+    started = time.time()
     check_job(cfg)
     out = out or job_dir()
     out.mkdir(parents=True, exist_ok=True)
     config_file = out / "job.yaml"
     OmegaConf.save(cfg, config_file, resolve=True)
     nproc = int(cfg.trainer.devices)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    env = {**os.environ, "ZS_JOB_T0": repr(started),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
            # A restarted attempt must not share the launcher's store with the failed one:
            # it would read the dead workers' addresses and fail (or hang) connecting
            # (pytorch/pytorch#135712).
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    if str(cfg.strategy.impl) == "deepspeed" and cfg.trainer.accelerator == "cpu":
+        env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator
     # A worker that dies (process or node lost) makes torch.distributed.run restart them all;
     # they resume from the job's last checkpoint (worker.py).
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node", str(nproc), "--max-restarts", str(int(cfg.trainer.max_restarts)),
-           str(HERE / "worker.py"), str(config_file)]
-    print(f"[{cfg.name}] {nproc} processes: {' '.join(cmd[2:])}", flush=True)
-    try:
-        proc = subprocess.run(cmd, env=env, timeout=int(cfg.trainer.timeout_s))
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        code = "timeout"
+    argv = agent.torchrun_args(nproc, int(cfg.trainer.max_restarts), config_file)
+    how = "forked from this preloaded process" if cfg.trainer.preload else "new interpreters"
+    print(f"[{cfg.name}] {nproc} processes: torch.distributed.run {' '.join(argv)} ({how})",
+          flush=True)
+    if cfg.trainer.preload:
+        agent.preload(OmegaConf.to_container(cfg.data), OmegaConf.to_container(cfg.model))
+        code = agent.run_forked(argv, env, int(cfg.trainer.timeout_s))
+    else:
+        code = agent.run_subprocess(argv, env, int(cfg.trainer.timeout_s))
     metrics_file = out / "metrics.json"
     if code != 0 or not metrics_file.exists():
         raise RuntimeError(f"job {cfg.name!r} failed (exit {code}); its output is above, its "
@@ -114,7 +166,8 @@ def summary(m: dict) -> str:
              f"loss {m['first_loss']:.3f} -> {m['train_loss']:.3f} (val {m['val_loss']:.3f}"
              + (f", val acc {m['val_acc']:.1%}" if m.get("val_acc") is not None else "") + "), "
              f"{m['samples_per_s']:.1f} samples/s, {m['tokens_per_s']:.0f} tokens/s, "
-             f"{m['comm_bytes_per_step'] / mib:.2f} MiB sent/step/rank"]
+             + (f"{m['comm_bytes_per_step'] / mib:.2f} MiB sent/step/rank"
+                if m["comm_bytes_per_step"] is not None else "bytes sent not measured")]
     for r in m["ranks"]:
         lines.append(f"  rank {r['rank']}: peak RSS +{r['peak_rss_mib']:.0f} MiB, model states "
                      f"{r['model_state_bytes'] / mib:.2f} MiB (ZeRO formula "

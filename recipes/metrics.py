@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 import torch.distributed as dist
+from anchors import anchor_label, anchor_offload, census, full_state_dict
+from comm_count import COUNTER
 
 import zero_strategy as zs
 
@@ -29,9 +30,13 @@ def _status_mib(field: str) -> float:
 
 
 def strategy_label(strategy: Any) -> tuple[str, int | None]:
-    """(name, ZeRO stage) of the strategy object that trained: ``ddp``, or ``zero<stage>``
-    with ``_offload`` when everything that stage can offload is offloaded (the presets'
-    names), else the offloaded part named (``zero3_offload_optimizer``)."""
+    """(name, ZeRO stage) of the strategy object that trained: ``ddp``; an anchor's preset
+    name (``fsdp``, ``deepspeed_stage_3``); or ``zero<stage>`` with ``_offload`` when
+    everything that stage can offload is offloaded (the presets' names), else the offloaded
+    part named (``zero3_offload_optimizer``)."""
+    anchor = anchor_label(strategy)
+    if anchor is not None:
+        return anchor
     config = getattr(strategy, "config", None)
     if config is None or not hasattr(config, "stage"):
         from lightning.pytorch.strategies import DDPStrategy
@@ -48,7 +53,9 @@ def strategy_label(strategy: Any) -> tuple[str, int | None]:
 def optimizer_label(optimizers: list[Any]) -> str:
     """The optimizer classes that stepped, ``+``-joined for a CombinedOptimizer's parts
     (``muon+adamw``)."""
-    parts = [p for opt in optimizers for p in getattr(opt, "optimizers", [opt])]
+    # DeepSpeed's ZeRO optimizers wrap the one configure_optimizers returned (.optimizer).
+    inner = [o.optimizer if type(o).__module__.startswith("deepspeed") else o for o in optimizers]
+    parts = [p for opt in inner for p in getattr(opt, "optimizers", [opt])]
     return "+".join(type(p).__name__.lower() for p in parts)
 
 
@@ -68,7 +75,6 @@ def run_columns(trainer: L.Trainer) -> dict[str, Any]:
 class JobMetrics(L.Callback):
     def __init__(self, cfg: Any, out: Path) -> None:
         self.cfg, self.out = cfg, out
-        self.ddp_bytes = 0
         self.samples = 0
         self.timed_s = 0.0
         self.timed_batches = 0
@@ -77,34 +83,67 @@ class JobMetrics(L.Callback):
         self.val_step: int | None = None
         """The optimizer step of the newest validation (None: none ran yet)."""
         self._t: float | None = None
-        self._comm0 = 0
-        self._comm_end: int | None = None
+        self._comm0 = (0, 0)
+        self._counting = False
+        self._comm_end: tuple[int, int] | None = None
+        self._excluded = [0, 0]
+        self._outside_from: tuple[int, int] | None = None
+        self._census: dict[str, Any] | None = None
+        self.startup: dict[str, float] = {}
+        """Seconds since the job started (launch.py) at which this rank reached each point."""
 
-    # ----------------------------------------------------------- DDP's byte counter
-    def _ddp_hook(self):  # noqa: ANN202
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        n = dist.get_world_size()
-
-        # No annotations on purpose: DDP rejects a `bucket` annotation that is not literally
-        # dist.GradBucket, and this module's annotations are strings.
-        def hook(state, bucket):  # noqa: ANN001, ANN202
-            self.ddp_bytes += int(2 * bucket.buffer().nbytes * (n - 1) / n)  # ring all-reduce
-            return allreduce_hook(state, bucket)
-
-        return hook
-
-    def _comm_total(self, trainer: L.Trainer) -> int:
+    # ----------------------------------------------------------- bytes sent
+    def _comm_totals(self, trainer: L.Trainer) -> tuple[int, int]:
+        """(the engine's own count, or 0 without an engine; the process-group counter's)."""
         engine = getattr(trainer.strategy, "engine", None)
-        return engine.comm_bytes()["total"] if engine is not None else self.ddp_bytes
+        return (engine.comm_bytes()["total"] if engine is not None else 0), COUNTER.total()
+
+    def outside_training_start(self, trainer: L.Trainer) -> None:
+        """From here to ``outside_training_end`` (validation, a checkpoint) the bytes sent are
+        not training traffic: they are left out of the per-step figure."""
+        if self._outside_from is None:
+            self._outside_from = self._comm_totals(trainer)
+
+    def outside_training_end(self, trainer: L.Trainer) -> None:
+        if self._outside_from is not None:
+            now = self._comm_totals(trainer)
+            for i in range(2):
+                self._excluded[i] += now[i] - self._outside_from[i]
+            self._outside_from = None
+
+    def _comm_per_step(self, trainer: L.Trainer, steps: int) -> tuple[float | None, float]:
+        """(bytes per step in the report, the process-group counter's figure). The report's
+        is the engine's own count under ZeRO, else the process-group counter's; None (not
+        measured) when that counter saw nothing although N >= 2 ranks trained: the system
+        communicated where Python cannot see it."""
+        end = self._comm_end if self._comm_end is not None else self._comm_totals(trainer)
+        engine, pg = ((end[i] - self._comm0[i] - self._excluded[i]) / steps for i in range(2))
+        if getattr(trainer.strategy, "engine", None) is not None:
+            return engine, pg
+        if pg <= 0 and trainer.world_size > 1:
+            return None, pg
+        return pg, pg
 
     # ----------------------------------------------------------- hooks
+    def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.mark("fit_start")
+
+    def mark(self, point: str) -> None:
+        t0 = float(os.environ.get("ZS_JOB_T0", "nan"))
+        self.startup[point] = time.time() - t0
+
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
+        self.mark("train_start")
         ddp = getattr(trainer.strategy, "model", None)
-        if isinstance(ddp, DistributedDataParallel):  # Lightning registers hooks on CUDA only
-            ddp.register_comm_hook(state=None, hook=self._ddp_hook())
+        if isinstance(ddp, DistributedDataParallel):
+            # Lightning registers no hook on CPU, and DDP's reducer then all-reduces from C++
+            # where the process-group counter cannot see it; the default hook runs the same
+            # all-reduce through Python.
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            ddp.register_comm_hook(state=None, hook=allreduce_hook)
         try:  # reset the peak-RSS mark so it measures training, not imports and setup
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
@@ -114,10 +153,22 @@ class JobMetrics(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any,
                              idx: int) -> None:
-        if trainer.global_step == WARMUP_STEPS and self._t is None:
-            self._comm0 = self._comm_total(trainer)
-            self._steps0 = trainer.global_step
+        if "first_batch" not in self.startup:
+            self.mark("first_batch")
+        if trainer.global_step == WARMUP_STEPS and not self._counting:
+            # (This once tested `self._t is None`, true only before the first batch: the
+            # warm-up steps' bytes were divided by the timed steps, 2x at max_steps=6.)
+            self._counting = True
+            self._comm0 = self._comm_totals(trainer)
+            self._excluded = [0, 0]
         self._t = time.perf_counter()
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule,
+                                 optimizer: Any) -> None:
+        # Gradients and (after the first step) optimizer states both exist here; the census
+        # is taken in the untimed warm-up steps, the last one's kept.
+        if trainer.global_step < WARMUP_STEPS:
+            self._census = self._model_states(trainer, module)
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any,
                            batch: Any, idx: int) -> None:
@@ -130,7 +181,11 @@ class JobMetrics(L.Callback):
             first = next(iter(batch.values()))
             self.samples += first.shape[0] * trainer.world_size
 
+    def on_validation_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.outside_training_start(trainer)
+
     def on_validation_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.outside_training_end(trainer)
         if not trainer.sanity_checking:
             self.val_step = trainer.global_step
 
@@ -138,7 +193,7 @@ class JobMetrics(L.Callback):
         # Read now: a validation after fit resets the Trainer's metrics, and its parameter
         # gathers are not training traffic.
         self.train_loss = float(trainer.callback_metrics.get("train_loss", float("nan")))
-        self._comm_end = self._comm_total(trainer)
+        self._comm_end = self._comm_totals(trainer)
 
     def needs_final_validation(self, trainer: L.Trainer) -> bool:
         """Training stopped after the last periodic validation (``max_steps`` not a multiple
@@ -146,24 +201,41 @@ class JobMetrics(L.Callback):
         return self.val_step != trainer.global_step
 
     # ----------------------------------------------------------- the record
-    def _rank_record(self, trainer: L.Trainer, module: L.LightningModule) -> dict[str, Any]:
+    def _model_states(self, trainer: L.Trainer, module: L.LightningModule) -> dict[str, Any]:
+        """Model-state bytes this rank holds, beside the ZeRO formula for its stage: the
+        engine's own accounting under ZeRO, else a census of the strategy's tensors."""
         engine = getattr(trainer.strategy, "engine", None)
         if engine is not None:
             report = engine.memory_report()
-            held, predicted = report["total_bytes"], report["predicted_total_bytes"]
-            num_params = engine.num_params
-        else:  # DDP: parameters, their gradients and the optimizer's states, all replicated
-            params = [p for p in module.parameters() if p.requires_grad]
-            num_params = sum(p.numel() for p in params)
-            states = [t for opt in trainer.optimizers for s in opt.state.values()
-                      for t in s.values() if isinstance(t, torch.Tensor)]
-            held = sum(2 * p.nbytes for p in params) + sum(t.nbytes for t in states)
-            predicted = zs.estimate_memory(num_params, stage=0, world_size=trainer.world_size,
-                                           precision=str(trainer.precision)).total_bytes
+            return {"held": report["total_bytes"], "predicted": report["predicted_total_bytes"],
+                    "num_params": engine.num_params, "by_kind": {
+                        k: report[f"{k}_bytes"] for k in ("params", "grads", "optimizer")}}
+        counted = census(module, list(trainer.optimizers))
+        num_params = int(self.cfg_num_params(module))
+        _, stage = strategy_label(trainer.strategy)
+        offload_opt, offload_params = anchor_offload(trainer.strategy)
+        predicted = zs.estimate_memory(
+            num_params, stage=stage or 0, world_size=trainer.world_size,
+            precision=str(trainer.precision), offload_optimizer=offload_opt,
+            offload_params=offload_params and stage == 3).total_bytes
+        return {"held": counted.model_states, "predicted": predicted, "num_params": num_params,
+                "by_kind": dict(counted.bytes), "labels": counted.labels}
+
+    def cfg_num_params(self, module: L.LightningModule) -> int:
+        """Parameters of the model as built (a sharding strategy's module shows shards, or
+        DeepSpeed stage 3's empty placeholders, with their full size in ``ds_numel``)."""
+        return getattr(module, "built_num_params", None) or sum(
+            getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+
+    def _rank_record(self, trainer: L.Trainer, module: L.LightningModule) -> dict[str, Any]:
+        states = self._census or self._model_states(trainer, module)
         return {"rank": trainer.global_rank, "peak_rss_mib": _status_mib("VmHWM") - self.base_rss,
-                "model_state_bytes": int(held), "predicted_bytes": int(predicted),
-                "num_params": int(num_params), "first_loss": self.first_loss,
-                "train_loss": self.train_loss}
+                "model_state_bytes": int(states["held"]),
+                "predicted_bytes": int(states["predicted"]),
+                "model_state_by_kind": states["by_kind"],
+                "model_state_labels": states.get("labels"), "num_params": int(states["num_params"]),
+                "first_loss": self.first_loss, "train_loss": self.train_loss,
+                "startup_s": self.startup, "pg_calls": dict(COUNTER.calls)}
 
     def finish(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         ranks = [None] * trainer.world_size
@@ -175,7 +247,7 @@ class JobMetrics(L.Callback):
         samples_per_s = self.samples / self.timed_s if self.timed_s else float("nan")
         seq = int(self.cfg.model.get("seq_len", 0) or 0) if self.cfg.model.name != "resnet" else 0
         cm = trainer.callback_metrics
-        comm_end = self._comm_end if self._comm_end is not None else self._comm_total(trainer)
+        comm, comm_pg = self._comm_per_step(trainer, steps)
         record = {
             "name": self.cfg.name, **run_columns(trainer),
             "requested": {"strategy": self.cfg.strategy.name,
@@ -185,7 +257,7 @@ class JobMetrics(L.Callback):
             "ms_per_batch": 1000 * self.timed_s / self.timed_batches if self.timed_batches
             else float("nan"),
             "samples_per_s": samples_per_s, "tokens_per_s": samples_per_s * seq,
-            "comm_bytes_per_step": (comm_end - self._comm0) / steps,
+            "comm_bytes_per_step": comm, "comm_bytes_per_step_pg": comm_pg,
             "first_loss": sum(r["first_loss"] for r in ranks) / len(ranks),
             "train_loss": sum(r["train_loss"] for r in ranks) / len(ranks),
             "val_loss": float(cm.get("val_loss", float("nan"))), "val_step": self.val_step,
@@ -201,7 +273,7 @@ def weights_digest(trainer: L.Trainer, module: L.LightningModule) -> str:
     """sha256 of the final weights (fp32 masters under ZeRO), key by key: equal digests mean
     bit-identical models (a restarted job against an uninterrupted one)."""
     engine = getattr(trainer.strategy, "engine", None)
-    state = engine.full_state_dict() if engine is not None else module.state_dict()
+    state = engine.full_state_dict() if engine is not None else full_state_dict(trainer, module)
     digest = hashlib.sha256()
     for key in sorted(state):
         digest.update(key.encode())

@@ -25,6 +25,9 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
         "tiny": {"n_layer": 2, "n_embd": 64, "n_head": 2},
         "small": {"n_layer": 4, "n_embd": 128, "n_head": 4},
         "base": {"n_layer": 6, "n_embd": 256, "n_head": 8},
+        # The regimes of the shared anchor benchmark (conf/experiment/bench_*.yaml).
+        "bench_throughput": {"n_layer": 4, "n_embd": 512, "n_head": 8},
+        "bench_memory": {"n_layer": 12, "n_embd": 1024, "n_head": 16},
     },
     "bert": {
         "tiny": {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 2,
@@ -82,6 +85,10 @@ class RecipeModule(L.LightningModule):
         self.label = f"{model_cfg['name']}-{model_cfg['size']}"  # what was built (the report's)
         self.model = build_model(model_cfg["name"], model_cfg["size"], vocab_size=vocab_size,
                                  seq_len=model_cfg["seq_len"], dropout=model_cfg["dropout"])
+        self.built_num_params = sum(p.numel() for p in self.model.parameters())
+        """Counted before any strategy shards the parameters (the formula's N_params)."""
+        self.adamw_class: type[torch.optim.Optimizer] = torch.optim.AdamW
+        """AdamW's implementation (DeepSpeed's offload anchors need their CPU Adam)."""
 
     def forward(self, batch: dict[str, torch.Tensor]) -> Any:
         return self.model(**batch)
@@ -102,7 +109,7 @@ class RecipeModule(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         cfg, total = self.hparams.optim_cfg, max(1, self.hparams.max_steps)
-        opt = build_optimizer(self.model, cfg)
+        opt = build_optimizer(self.model, cfg, adamw_class=self.adamw_class)
         warmup = max(1, int(cfg["warmup_fraction"] * total))
 
         def schedule(step: int) -> float:
@@ -131,10 +138,12 @@ def hidden_matrices(model: nn.Module) -> list[nn.Parameter]:
             and m.weight.ndim == 2 and m.weight.requires_grad and id(m.weight) not in heads]
 
 
-def build_optimizer(model: nn.Module, cfg: dict[str, Any]) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: dict[str, Any],
+                    adamw_class: type[torch.optim.Optimizer] = torch.optim.AdamW
+                    ) -> torch.optim.Optimizer:
     adamw = {"lr": cfg["lr"], "weight_decay": cfg["weight_decay"], "betas": tuple(cfg["betas"])}
     if cfg.get("name", "adamw") == "adamw":
-        return torch.optim.AdamW(model.parameters(), **adamw)
+        return adamw_class(model.parameters(), **adamw)
     hidden = hidden_matrices(model)
     if not hidden:
         raise ValueError(
@@ -176,6 +185,10 @@ class RecipeData(L.LightningDataModule):
         if cfg["kind"] == "digits":
             self.splits = recipe_data.digit_splits(cfg["image_size"], cfg["val_fraction"],
                                                    cfg["seed"])
+        elif cfg["kind"] == "random":
+            self.splits = recipe_data.random_splits(cfg["vocab_size"], self.model_cfg["seq_len"],
+                                                    cfg["samples"], cfg["val_fraction"],
+                                                    cfg["seed"])
         else:
             self.splits = recipe_data.text_splits(cfg["kind"], cfg["vocab_size"],
                                                   self.model_cfg["seq_len"], cfg["val_fraction"],

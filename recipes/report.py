@@ -38,11 +38,24 @@ def rows(sweep_dir: Path) -> list[dict[str, Any]]:
             "peak_rss_mib": max(r["peak_rss_mib"] for r in m["ranks"]),
             "model_state_mib": max(r["model_state_bytes"] for r in m["ranks"]) / mib,
             "predicted_mib": max(r["predicted_bytes"] for r in m["ranks"]) / mib,
-            "comm_mib_per_step": m["comm_bytes_per_step"] / mib,
+            "comm_mib_per_step": (m["comm_bytes_per_step"] / mib
+                                  if m.get("comm_bytes_per_step") is not None else None),
             "val_acc": m.get("val_acc"), "job": path.parent.name,
             "requested": m.get("requested", {}),
         })
     return out
+
+
+NOT_MEASURED = "not measured"
+
+
+def cell(row: dict[str, Any], key: str, fmt: str) -> str:
+    """A value as the table shows it; bytes sent that the system did not let us count say
+    so (a blank or a 0 would read as "sent nothing")."""
+    value = row.get(key)
+    if value is None:
+        return NOT_MEASURED if key == "comm_mib_per_step" else ""
+    return fmt.format(value)
 
 
 def changed_by_the_run(row: dict[str, Any]) -> list[str]:
@@ -65,8 +78,7 @@ def write(sweep_dir: Path) -> list[Path]:
     lines = [f"# Sweep report: {sweep_dir}", "", head,
              "|" + "---|" * len(COLUMNS)]
     for r in table:
-        cells = [fmt.format(r[k]) if r.get(k) is not None else "" for k, _, fmt in COLUMNS]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cell(r, k, fmt) for k, _, fmt in COLUMNS) + " |")
     changes = [f"- {r['job']}: {', '.join(c)}" for r in table if (c := changed_by_the_run(r))]
     if changes:
         lines += ["", "Jobs that did not run as requested (the table shows what ran):", *changes]
@@ -74,8 +86,13 @@ def write(sweep_dir: Path) -> list[Path]:
               "Throughput is measured after 3 warm-up steps; peak RSS is the growth of each "
               "rank's resident memory during training (max over ranks); model states are the "
               "bytes of parameters, gradients and optimizer states one rank holds, beside the "
-              "ZeRO formula's prediction; bytes sent count every collective of one rank "
-              "until training ends; the val loss is the final model's."]
+              "ZeRO formula's prediction (ours: the engine's accounting; DDP, FSDP, DeepSpeed: "
+              "a census of the tensors they hold after backward, before the optimizer step, "
+              "in the last warm-up step); bytes sent count every collective of one rank "
+              "during training steps (validation and checkpoints left out): the engine's own "
+              "counter for ours, the process-group counter (recipes/comm_count.py) for the "
+              "others, 'not measured' where that counter saw nothing; the val loss is the "
+              "final model's."]
     (sweep_dir / "report.md").write_text("\n".join(lines) + "\n")
     return [sweep_dir / "report.md", sweep_dir / "report.csv", plot(table, sweep_dir)]
 
@@ -98,7 +115,11 @@ def plot(table: list[dict[str, Any]], sweep_dir: Path) -> Path:
                 label="ZeRO formula")
     axes[1].set_title("model states per rank (MiB)")
     axes[1].legend()
-    axes[2].bar(x, [r["comm_mib_per_step"] for r in table], color="tab:orange")
+    sent = [r["comm_mib_per_step"] for r in table]
+    axes[2].bar(x, [v if v is not None else 0.0 for v in sent], color="tab:orange")
+    for i, v in enumerate(sent):
+        if v is None:
+            axes[2].text(i, 0, NOT_MEASURED, rotation=90, ha="center", va="bottom")
     axes[2].set_title("sent per step per rank (MiB)")
     axes[3].bar([i - width / 2 for i in x], [r["train_loss"] for r in table], width, label="train")
     axes[3].bar([i + width / 2 for i in x], [r["val_loss"] for r in table], width, label="val")

@@ -10,6 +10,7 @@ draw no random numbers while training: dropout is 0 and BERT masking is seeded p
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from pathlib import Path
 from typing import Any
@@ -39,8 +40,11 @@ class PeriodicCheckpoint(L.Callback):
     """Every ``every`` optimizer steps, the job's whole state into ``path``, replaced as a
     whole: a worker killed while saving leaves the previous checkpoint loadable."""
 
-    def __init__(self, path: Path, every: int) -> None:
+    def __init__(self, path: Path, every: int, metrics: Any = None) -> None:
         self.path, self.every, self.last = path, every, 0
+        self.metrics = metrics
+        """JobMetrics, told that the checkpoint's traffic is not training's (FSDP gathers
+        the whole model to write it)."""
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
@@ -49,12 +53,17 @@ class PeriodicCheckpoint(L.Callback):
             return  # accumulating, or this step is saved already
         self.last = step
         trainer.datamodule.position = (trainer.current_epoch, batch_idx + 1)
+        if self.metrics is not None:
+            self.metrics.outside_training_start(trainer)
         save(trainer, self.path)
+        if self.metrics is not None:
+            self.metrics.outside_training_end(trainer)
 
 
 def save(trainer: L.Trainer, path: Path) -> None:
     """ZeroStrategy writes a sharded directory whose ``latest`` is replaced atomically; other
-    strategies write one file on rank 0, renamed into place once complete."""
+    strategies write one file on rank 0 (DeepSpeed: a directory, every rank), renamed into
+    place once complete."""
     from zero_strategy.lightning import ZeroStrategy
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -63,8 +72,19 @@ def save(trainer: L.Trainer, path: Path) -> None:
         return
     tmp = path.with_name(path.name + ".tmp")
     trainer.save_checkpoint(tmp, weights_only=False)  # rank 0 writes, then every rank waits
+    trainer.strategy.barrier("recipes.resume.written")
     if trainer.is_global_zero:
-        os.replace(tmp, path)
+        if tmp.is_dir():
+            # A directory cannot replace a non-empty one: the old one steps aside first, and
+            # last_checkpoint() falls back to it if a crash comes between the two renames.
+            old = path.with_name(path.name + ".old")
+            if path.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
     trainer.strategy.barrier("recipes.resume.save")
 
 
@@ -72,7 +92,10 @@ def last_checkpoint(path: Path) -> Path | None:
     """``path`` if a complete checkpoint is there (a restart resumes from it), else None."""
     if path.is_dir():
         return path if (path / "latest").exists() else None
-    return path if path.is_file() else None
+    if path.is_file():
+        return path
+    old = path.with_name(path.name + ".old")  # see save(): a directory being replaced
+    return old if (old / "latest").exists() else None
 
 
 class InjectedFault(L.Callback):

@@ -24,12 +24,15 @@ class ModelSize(_Choice):
     tiny = "tiny"
     small = "small"
     base = "base"
+    bench_throughput = "bench_throughput"
+    bench_memory = "bench_memory"
 
 
 class DataKind(_Choice):
     causal = "causal"
     masked = "masked"
     digits = "digits"
+    random = "random"
 
 
 @dataclass
@@ -49,6 +52,8 @@ class DataConf:
     vocab_size: int = 2048
     """BPE vocabulary trained on the fly (text); 0 for images."""
     image_size: int = 16
+    samples: int = 1024
+    """Sequences generated (kind=random)."""
     val_fraction: float = 0.1
     seed: int = 0
 
@@ -80,14 +85,31 @@ PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 """The precisions the recipes run (ZeroConfig's list; DDP runs them too)."""
 
 
+class StrategyImpl(_Choice):
+    """Which implementation trains: zero_strategy's engine, or one of Lightning's own."""
+
+    zero = "zero"
+    ddp = "ddp"
+    fsdp = "fsdp"
+    deepspeed = "deepspeed"
+
+
 @dataclass
 class StrategyConf:
     name: str = "zero3"
-    """A registered strategy: ddp, zero1, zero2, zero3, zero2_offload, zero3_offload."""
+    """The preset's name (conf/strategy/<name>.yaml): ddp, zero1, zero2, zero3, zero2_offload,
+    zero3_offload, and the anchors fsdp, deepspeed_stage_1/2/3, deepspeed_stage_2/3_offload."""
+    impl: StrategyImpl = StrategyImpl.zero
+    """zero: zero_strategy's ZeroStrategy; ddp, fsdp, deepspeed: Lightning's DDPStrategy,
+    FSDPStrategy, DeepSpeedStrategy (the anchors every comparison is read against)."""
     stage: Optional[int] = None  # noqa: UP045
-    """ZeRO stage (None for ddp)."""
+    """ZeRO stage (None for ddp; fsdp: 3 is FULL_SHARD, 2 SHARD_GRAD_OP)."""
+    offload: bool = False
+    """Anchors only: DeepSpeed's offload_optimizer (and offload_param at stage 3), FSDP's
+    CPUOffload. zero_strategy's offload is set under ``zero`` (offload_optimizer, ...)."""
     zero: ZeroOptions = field(default_factory=ZeroOptions)  # type: ignore[valid-type]
-    """Extra ZeroConfig fields (bucket_numel, unit_numel, offload_optimizer, ...)."""
+    """Extra ZeroConfig fields (bucket_numel, unit_numel, offload_optimizer, ...); impl=zero
+    only."""
 
 
 @dataclass
@@ -134,6 +156,11 @@ class TrainerConf:
     max_restarts: int = 3
     """When a worker fails (a process or node lost), torch.distributed.run restarts all of
     them up to this many times; they resume from the last checkpoint. 0 disables restarts."""
+    preload: bool = True
+    """Fork each job's torch.distributed.run agent and workers from the Hydra process, which
+    imports torch, Lightning, transformers and zero_strategy and prepares the data once
+    (recipes/agent.py); false: start them as new interpreters (python -m
+    torch.distributed.run). Either way every job is a new set of processes and a new world."""
     checkpoint_every: int = 100
     """Save the job's full state every this many optimizer steps (0: never) into
     <job dir>/checkpoints/last.ckpt, replaced atomically; restarted workers resume from it."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,16 +22,22 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from metrics import JobMetrics  # noqa: E402
-from models import RecipeData, RecipeModule  # noqa: E402
-from resume import InjectedFault, PeriodicCheckpoint, last_checkpoint  # noqa: E402
+from comm_count import COUNTER
+from metrics import JobMetrics
+from models import RecipeData, RecipeModule
+from resume import InjectedFault, PeriodicCheckpoint, last_checkpoint
 
 
-def make_strategy(cfg: Any) -> Any:
-    if cfg.strategy.name == "ddp":
+def make_strategy(cfg: Any, module: RecipeModule) -> Any:
+    impl = str(cfg.strategy.impl)
+    if impl == "ddp":
         from lightning.pytorch.strategies import DDPStrategy
 
-        return DDPStrategy()  # bytes are counted by a comm hook JobMetrics installs
+        return DDPStrategy()
+    if impl in ("fsdp", "deepspeed"):
+        from anchors import make_anchor_strategy
+
+        return make_anchor_strategy(cfg, module)
     from schema import zero_options
 
     from zero_strategy.lightning import ZeroStrategy
@@ -38,7 +45,18 @@ def make_strategy(cfg: Any) -> Any:
     return ZeroStrategy(stage=cfg.strategy.stage, **zero_options(cfg.strategy.zero))
 
 
+def process_started() -> float:
+    """When this process was created (epoch seconds), from the kernel's records."""
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as f:
+        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def main(config_file: str) -> None:
+    entered = time.time()
+    COUNTER.install()  # before any strategy holds a reference to a collective
     cfg = OmegaConf.load(config_file)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     L.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
@@ -48,10 +66,15 @@ def main(config_file: str) -> None:
                           max_steps=int(cfg.trainer.max_steps))
     job = Path(config_file).parent
     metrics = JobMetrics(cfg, job / "metrics.json")
+    t0 = float(os.environ.get("ZS_JOB_T0", "nan"))
+    # From the process's creation to main() are its imports (none when forked preloaded).
+    metrics.startup.update(worker_process=process_started() - t0, worker_main=entered - t0,
+                           model_built=time.time() - t0)
     callbacks: list[L.Callback] = [metrics]
     checkpoint = job / "checkpoints" / "last.ckpt"
     if int(cfg.trainer.checkpoint_every) > 0:
-        callbacks.append(PeriodicCheckpoint(checkpoint, int(cfg.trainer.checkpoint_every)))
+        callbacks.append(PeriodicCheckpoint(checkpoint, int(cfg.trainer.checkpoint_every),
+                                            metrics))
     fault = InjectedFault.from_env()  # tests only
     # Lightning cannot see that the data module restores the epoch's position (resume.py).
     warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended")
@@ -63,7 +86,7 @@ def main(config_file: str) -> None:
         callbacks.append(RichProgressBar(leave=True))
     trainer = L.Trainer(
         accelerator=cfg.trainer.accelerator, devices=int(cfg.trainer.devices),
-        strategy=make_strategy(cfg), precision=cfg.precision.name,
+        strategy=make_strategy(cfg, module), precision=cfg.precision.name,
         max_steps=int(cfg.trainer.max_steps),
         accumulate_grad_batches=int(cfg.trainer.accumulate_grad_batches),
         gradient_clip_val=float(cfg.trainer.gradient_clip_val),

@@ -1,0 +1,107 @@
+"""Starting a job's workers: torch.distributed.run's agent, either as its own interpreter
+(``trainer.preload=false``: ``python -m torch.distributed.run ... worker.py job.yaml``) or
+forked from the Hydra process after it imported what every worker imports and prepared the
+data once (``trainer.preload=true``, the default).
+
+Where a job's start-up went, measured with the timestamps each rank writes to metrics.json
+(``startup_s``, seconds since the Hydra process began the job; 2 cores, gpt-tiny): as fresh
+interpreters, ~2 s until the agent had started the workers, ~5-10 s of imports in each
+worker (torch, Lightning with torchmetrics and torch._dynamo, transformers, zero_strategy),
+~1 s training the BPE tokenizer in each worker, then process-group init and Lightning's
+setup. Preloaded, the agent is a fork (no interpreter, no imports), the workers are forks
+of it (imports done, the token stream already in memory), and a job reaches its first batch
+in about the time of the process-group init and Lightning's setup.
+
+Each job is still its own world: fresh worker processes and a fresh process group per job,
+under the same agent (rendezvous, ``--max-restarts``, failure reports) as torchrun's.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+
+MODEL_CLASSES = {"gpt": "GPT2LMHeadModel", "bert": "BertForMaskedLM",
+                 "resnet": "ResNetForImageClassification"}
+
+
+def torchrun_args(nproc: int, max_restarts: int, config_file: Path) -> list[str]:
+    return ["--standalone", "--nproc_per_node", str(nproc), "--max-restarts", str(max_restarts),
+            str(HERE / "worker.py"), str(config_file)]
+
+
+def preload(data_cfg: dict[str, Any], model_cfg: dict[str, Any]) -> None:
+    """Imports every worker module and prepares the job's data in this (the Hydra) process,
+    once per process and data config: forked workers inherit both."""
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no Rust threads before forks
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    import data
+    import transformers
+    import worker  # noqa: F401  (its imports are the workers')
+
+    # transformers loads a model's code on first access to its class.
+    getattr(transformers, MODEL_CLASSES.get(model_cfg["name"], "PreTrainedModel"))
+    if data_cfg["kind"] in ("causal", "masked"):
+        data.token_stream(int(data_cfg["vocab_size"]))  # memoised
+
+
+def run_subprocess(argv: list[str], env: dict[str, str], timeout_s: int) -> int | str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", *argv]
+    try:
+        return subprocess.run(cmd, env=env, timeout=timeout_s).returncode
+    except subprocess.TimeoutExpired:
+        return "timeout"
+
+
+def run_forked(argv: list[str], env: dict[str, str], timeout_s: int) -> int | str:
+    """torch.distributed.run's agent in a forked child (its own session, so a timeout ends
+    it and its workers together), starting the workers by fork with worker.main."""
+    agent = multiprocessing.get_context("fork").Process(target=_agent, args=(argv, env),
+                                                        name="recipes-agent")
+    agent.start()
+    agent.join(timeout_s)
+    if agent.exitcode is None:
+        try:
+            os.killpg(agent.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        agent.join()
+        return "timeout"
+    return agent.exitcode
+
+
+def _agent(argv: list[str], env: dict[str, str]) -> None:
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    import uuid
+
+    import worker
+    from torch.distributed import run as torchrun
+    from torch.distributed.launcher.api import elastic_launch
+
+    args = torchrun.parse_args(["--start-method", "fork", *argv])
+    # What torchrun's --standalone does before building its config.
+    args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    config, _, _ = torchrun.config_from_args(args)  # its command is the interpreter's
+    try:
+        elastic_launch(config=config, entrypoint=worker.main)(*args.training_script_args)
+    except Exception:  # the agent's failure report (which rank, exit code), as torchrun's
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)
