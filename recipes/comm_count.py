@@ -1,7 +1,8 @@
 """Bytes a rank sends, counted under any strategy: every collective that reaches a
 torch.distributed ProcessGroup through Python is counted with the byte model zero_strategy's
 engine uses for its own (ring algorithms, per rank: all-reduce 2 (N-1)/N of the tensor,
-all-gather and reduce-scatter (N-1)/N of the full buffer, broadcast the tensor).
+all-gather and reduce-scatter (N-1)/N of the full buffer, broadcast the tensor), and
+point-to-point sends at their size (zero_strategy exchanges host tensors under gloo that way).
 
 The counter wraps the ProcessGroup methods themselves, not ``torch.distributed.all_reduce``
 and friends: libraries keep references to those functions (DeepSpeed takes
@@ -23,7 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-_ALL_REDUCE, _GATHER, _SCATTER, _ROOTED = "all_reduce", "all_gather", "reduce_scatter", "rooted"
+_ALL_REDUCE, _GATHER, _SCATTER, _ROOTED, _SEND = (
+    "all_reduce", "all_gather", "reduce_scatter", "rooted", "send")
 
 
 def _tensors(x: Any) -> Iterator[torch.Tensor]:
@@ -50,6 +52,7 @@ METHODS: dict[str, tuple[str, int]] = {
     "reduce_scatter_tensor_coalesced": (_SCATTER, 1),
     "broadcast": (_ROOTED, 0), "reduce": (_ROOTED, 0),
     "all_to_all_single": (_GATHER, 0), "alltoall_base": (_GATHER, 0), "alltoall": (_GATHER, 0),
+    "send": (_SEND, 0),
 }
 
 
