@@ -149,3 +149,100 @@ def retained_gradients_are_left_alone() -> dict[str, Any]:
     return {"equal": torch.equal(model.seen.grad, ref.seen.grad)}
 
 
+
+
+def _blockmax(x: torch.Tensor) -> torch.Tensor:
+    """Per element, the largest |value| of its int8 block (blocks start at the tensor's
+    first element): half a quantization step is that / 254."""
+    from zero_strategy import quantize
+
+    nb = quantize.blocks(x.numel())
+    padded = torch.zeros(nb * quantize.BLOCK, dtype=torch.float64)
+    padded[: x.numel()] = x.double().abs()
+    return padded.view(nb, -1).amax(1).repeat_interleave(quantize.BLOCK)[: x.numel()]
+
+
+@scenario
+def int8_all_gather_within_half_a_step() -> dict[str, Any]:
+    """Each piece is its rank's shard decoded: within half a step (max|block| / 254) of the
+    exact values, and the same on every rank (every rank decodes the same bytes)."""
+    comm, n = Communicator(), dist.get_world_size()
+    worst, same, sizes = 0.0, True, (1, 300, 100_003)
+    for salt, per_rank in enumerate(sizes):
+        shard = _rank_data(per_rank, salt)
+        exact = torch.empty(n * per_rank)
+        dist.all_gather_into_tensor(exact, shard)
+        out = torch.empty(n * per_rank)
+        comm.all_gather_int8(out, shard, async_op=True).wait()
+        bound = torch.cat([_blockmax(row) for row in exact.view(n, -1)]) / 254
+        worst = max(worst, ((out.double() - exact.double()).abs()
+                            / bound.clamp_min(1e-300)).max().item())
+        everyone = [torch.empty_like(out) for _ in range(n)]
+        dist.all_gather(everyone, out)
+        same &= all(torch.equal(e, out) for e in everyone)
+    from zero_strategy import quantize
+
+    sent = sum((n - 1) * quantize.blocks(k) * (quantize.BLOCK + 4) for k in sizes)
+    return {"worst_over_bound": worst, "same": same, "bytes": comm.bytes_sent["all_gather"],
+            "expected_bytes": sent}
+
+
+@scenario
+def int8_reduce_scatter_within_the_peers_steps() -> dict[str, Any]:
+    """Per element, the sum is off by at most the peers' half steps (this rank's own part is
+    sent exactly) plus fp32 rounding of the N - 1 additions (2^-24 * N * sum|x| per element);
+    where every peer sends zeros (to rank 0) the result is rank 0's part, bit for bit."""
+    comm, n, rank = Communicator(), dist.get_world_size(), dist.get_rank()
+    worst = 0.0
+    for salt, per_rank in enumerate((1, 300, 100_003)):
+        data = _rank_data(n * per_rank, salt)
+        everyone = [torch.empty_like(data) for _ in range(n)]
+        dist.all_gather(everyone, data)
+        mine = [e.view(n, -1)[rank] for e in everyone]
+        exact = sum(m.double() for m in mine)
+        steps = sum(_blockmax(m) / 254 for r, m in enumerate(mine) if r != rank)
+        rounding = 2.0**-24 * n * sum(m.double().abs() for m in mine)
+        out = torch.empty(per_rank)
+        comm.reduce_scatter_int8(out, data, async_op=True).wait()
+        worst = max(worst, ((out.double() - exact).abs()
+                            / (steps + rounding).clamp_min(1e-300)).max().item())
+    alone = _rank_data(n * 513, 9) if rank == 0 else torch.zeros(n * 513)
+    out = torch.empty(513)
+    comm.reduce_scatter_int8(out, alone)
+    own_exact = torch.equal(out, alone.view(n, -1)[0]) if rank == 0 else None
+    return {"worst_over_bound": worst, "own_exact": own_exact}
+
+
+def _gpt2_stage3(config: zs.ZeroConfig, steps: int) -> tuple[list[float], dict[str, Any]]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256,
+                                       n_positions=32, resid_pdrop=0, embd_pdrop=0,
+                                       attn_pdrop=0))
+    engine = zs.ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=3e-3), config)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    losses = []
+    for step in range(steps):
+        ids = torch.randint(0, 64, (4, 32), generator=gen)  # a small vocabulary: learnable
+        if step == 1:
+            before = engine.comm_bytes()["total"]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.clip_grad_norm_(1.0)
+        engine.step()
+        losses.append(loss.item())
+    per_step = (engine.comm_bytes()["total"] - before) / (steps - 1)
+    sharded = sum(u.layout.padded_numel for u in engine.units if u.param_store.gathers)
+    return losses, {"bytes_per_step": per_step, "sharded_numel": sharded,
+                    "num_params": engine.num_params}
+
+
+@scenario
+def int8_training_tracks_fp32() -> dict[str, Any]:
+    """Stage 3 on a tiny GPT-2 with int8 weights and gradients beside the same run without."""
+    common = {"stage": 3, "unit_numel": 4000, "param_persistence_threshold": 1000}
+    plain, plain_info = _gpt2_stage3(zs.ZeroConfig(**common), 30)
+    q8, q8_info = _gpt2_stage3(zs.ZeroConfig(**common, quantize_weights="int8",
+                                             quantize_gradients="int8"), 30)
+    return {"plain": plain, "q8": q8, "plain_info": plain_info, "q8_info": q8_info}

@@ -34,15 +34,17 @@ class BufferPool:
         take memory back (so lending and reclaiming allocate no Python objects in a step)."""
 
     def _block(self, nbytes: int) -> torch.UntypedStorage:
-        free = self._free.get(nbytes)
-        if free:
-            return free.pop()
+        """The smallest free block of at least ``nbytes`` and at most twice that (buffers of
+        other kinds and units share blocks), else a new one of exactly ``nbytes``."""
+        fits = [size for size, free in self._free.items() if free and nbytes <= size <= 2 * nbytes]
+        if fits:
+            return self._free[min(fits)].pop()
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A 1-D tensor of ``numel`` elements with undefined contents; return it with ``give``
         once nothing reads it (a collective writing or reading it included)."""
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         block = self._block(nbytes)
         return torch.empty(0, dtype=dtype, device=self.device).set_(block, 0, (numel,))
 

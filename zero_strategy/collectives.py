@@ -29,6 +29,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from . import quantize
+
 # torch 2.13 renamed the flat collectives; older releases (>= 2.4) only have the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -324,16 +326,26 @@ class Communicator:
 
     def _all_gather_direct(self, flat_output: torch.Tensor, shard: torch.Tensor,
                            async_op: bool) -> Handle:
-        pieces = flat_output.view(self.world_size, -1)
+        rows = flat_output.view(self.world_size, -1)
+        if rows[self.rank].data_ptr() != shard.data_ptr():
+            rows[self.rank].copy_(shard)
+        return self._finish_exchange(_Exchange(self, self._gather_rows(rows), "all_gather"),
+                                     async_op)
+
+    def _gather_rows(self, rows: torch.Tensor) -> list[Any]:
+        """Start filling every row of ``rows`` (one per rank) with that rank's own row, which
+        is already in place here; uncounted (the callers count what they send)."""
+        if not self._direct:
+            return [_all_gather(rows.view(-1), rows[self.rank], group=self.group,
+                                async_op=True)]
         works = []
-        for r, piece in enumerate(pieces):
-            if r == self.rank:
-                if piece.data_ptr() != shard.data_ptr():
-                    piece.copy_(shard)
-                continue
-            works.append(dist.isend(shard, self._peers[r], group=self.group, tag=_GATHER_TAG))
-            works.append(dist.irecv(piece, self._peers[r], group=self.group, tag=_GATHER_TAG))
-        return self._finish_exchange(_Exchange(self, works, "all_gather"), async_op)
+        for r in range(self.world_size):
+            if r != self.rank:
+                works.append(dist.isend(rows[self.rank], self._peers[r], group=self.group,
+                                        tag=_GATHER_TAG))
+                works.append(dist.irecv(rows[r], self._peers[r], group=self.group,
+                                        tag=_GATHER_TAG))
+        return works
 
     def _reduce_scatter_direct(self, output: torch.Tensor, flat_input: torch.Tensor,
                                async_op: bool) -> Handle:
@@ -371,6 +383,73 @@ class Communicator:
             exchange.wait()
             return _Done()
         return exchange
+
+    # ---------------------------------------------------------------- int8 on the wire
+    def all_gather_int8(self, flat_output: torch.Tensor, shard: torch.Tensor, *,
+                        async_op: bool = False) -> Handle:
+        """``all_gather`` sending block-wise int8 (``quantize.py``); every piece of the output,
+        this rank's too, holds the decoded values, so all ranks compute with the same ones."""
+        self._check("all_gather", flat_output, shard)
+        n, nb = self.world_size, quantize.blocks(shard.numel())
+        take, give = self._scratch or (self._allocate, lambda t: None)
+        payload = take(n * nb * quantize.BLOCK, torch.int8).view(n, -1)
+        scales = take(n * nb, torch.float32).view(n, -1)
+        scratch = take(nb * quantize.BLOCK, torch.float32)
+        quantize.encode(shard, payload[self.rank], scales[self.rank], scratch)
+        give(scratch)
+        self._count("all_gather", (n - 1) * (payload[0].nbytes + scales[0].nbytes))
+        works = self._gather_rows(payload) + self._gather_rows(scales) if n > 1 else []
+
+        def finish() -> None:
+            for row, out in zip(range(n), flat_output.view(n, -1)):
+                quantize.decode(payload[row], scales[row], out)
+            give(payload)
+            give(scales)
+
+        return self._finish_exchange(_Exchange(self, works, "all_gather", finish), async_op)
+
+    def reduce_scatter_int8(self, output: torch.Tensor, flat_input: torch.Tensor, *,
+                            async_op: bool = False) -> Handle:
+        """``reduce_scatter`` sending block-wise int8: every peer's slice goes to it encoded
+        (one all-to-all); the slices received are decoded and summed in fp32, this rank's
+        own exact slice first, then the peers' in rank order."""
+        self._check("reduce_scatter", output, flat_input)
+        if _overlaps(output, flat_input):
+            raise ValueError("reduce_scatter: the output must not alias the input")
+        n, k = self.world_size, output.numel()
+        pieces = flat_input.view(n, -1)
+        if n == 1:
+            output.copy_(pieces[0])
+            return _Done()
+        nb = quantize.blocks(k)
+        take, give = self._scratch or (self._allocate, lambda t: None)
+        sent = [take(n * nb * quantize.BLOCK, torch.int8), take(n * nb, torch.float32)]
+        got = [take(t.numel(), t.dtype) for t in sent]
+        scratch = take(nb * quantize.BLOCK, torch.float32)
+        for r in range(n):
+            if r != self.rank:  # this rank's row is not sent: its slice stays exact
+                quantize.encode(pieces[r], sent[0].view(n, -1)[r], sent[1].view(n, -1)[r],
+                                scratch)
+        give(scratch)
+        self._count("reduce_scatter", (n - 1) * (sent[0].nbytes + sent[1].nbytes) // n)
+        works = [dist.all_to_all_single(g, s, group=self.group, async_op=True)
+                 for g, s in zip(got, sent)]
+
+        def finish() -> None:
+            total = output if output.dtype == torch.float32 else take(k, torch.float32)
+            values = take(k, torch.float32)
+            total.copy_(pieces[self.rank])
+            for r in range(n):
+                if r != self.rank:
+                    quantize.decode_add(got[0].view(n, -1)[r], got[1].view(n, -1)[r], total,
+                                        values)
+            if total is not output:
+                output.copy_(total)
+                give(total)
+            for t in (values, *sent, *got):
+                give(t)
+
+        return self._finish_exchange(_Exchange(self, works, "reduce_scatter", finish), async_op)
 
     def all_to_all(self, send: torch.Tensor, send_counts: list[int],
                    recv_counts: list[int]) -> torch.Tensor:

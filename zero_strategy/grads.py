@@ -25,12 +25,14 @@ class GradStore(ABC):
     grad_shard: torch.Tensor
 
     def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype, device: torch.device,
-                 pool: BufferPool):
+                 pool: BufferPool, int8: bool = False):
         self.layout = layout
         self.rank = rank
         self.dtype = dtype
         self.device = device
         self.pool = pool
+        self.int8 = int8
+        """Reduce-scatters go over the wire as block-wise int8 (``quantize.py``)."""
         self._pending: tuple[Handle, torch.Tensor | None] | None = None
 
     def _local_view(self, buf: torch.Tensor, index: int) -> torch.Tensor:
@@ -57,6 +59,11 @@ class GradStore(ABC):
     def held_tensors(self) -> list[torch.Tensor]:
         """Tensors this store holds now, for memory accounting."""
 
+    def _reduce_scatter(self, comm: Communicator, out: torch.Tensor,
+                        local: torch.Tensor) -> Handle:
+        reduce = comm.reduce_scatter_int8 if self.int8 else comm.reduce_scatter
+        return reduce(out, local, async_op=True)
+
     def wait(self) -> torch.Tensor | None:
         handle, out = self._pending if self._pending else (None, None)
         if handle is not None:
@@ -69,8 +76,8 @@ class AllReducedGrads(GradStore):
     """Stage 0: every rank keeps the full gradient and all-reduces it (data parallel)."""
 
     def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype, device: torch.device,
-                 pool: BufferPool):
-        super().__init__(layout, rank, dtype, device, pool)
+                 pool: BufferPool, int8: bool = False):
+        super().__init__(layout, rank, dtype, device, pool, int8)
         self.buffer = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
         self.grad_shard = self.buffer
 
@@ -102,8 +109,8 @@ class ScatteredFullGrads(GradStore):
     """
 
     def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype, device: torch.device,
-                 pool: BufferPool):
-        super().__init__(layout, rank, dtype, device, pool)
+                 pool: BufferPool, int8: bool = False):
+        super().__init__(layout, rank, dtype, device, pool, int8)
         self.buffer = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
         lo, hi = layout.shard_bounds(rank)
         self.grad_shard = self.buffer[lo:hi]
@@ -121,7 +128,7 @@ class ScatteredFullGrads(GradStore):
         out = self.pool.take(self.grad_shard.numel(), self.dtype)
         self._world_size = comm.world_size  # what the average is taken over
         self.buffer.div_(comm.world_size)
-        self._pending = (comm.reduce_scatter(out, self.buffer, async_op=True), out)
+        self._pending = (self._reduce_scatter(comm, out, self.buffer), out)
 
     def finish_reduce(self) -> None:
         reduced = self.wait()
@@ -152,8 +159,8 @@ class ShardedGrads(GradStore):
     and the runtime drops the parameter's reference right after."""
 
     def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype, device: torch.device,
-                 pool: BufferPool):
-        super().__init__(layout, rank, dtype, device, pool)
+                 pool: BufferPool, int8: bool = False):
+        super().__init__(layout, rank, dtype, device, pool, int8)
         self._shard: torch.Tensor | None = None
         self._summed = False
         """Whether ``_shard`` holds a reduced gradient (else zeros, or nothing yet)."""
@@ -201,7 +208,7 @@ class ShardedGrads(GradStore):
         out = (self.pool.take(self.layout.shard_numel, self.dtype) if self._summed
                else self.grad_shard)
         local.div_(comm.world_size)
-        self._pending = (comm.reduce_scatter(out, local, async_op=True), out)
+        self._pending = (self._reduce_scatter(comm, out, local), out)
 
     def finish_reduce(self) -> None:
         reduced = self.wait()

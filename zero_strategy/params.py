@@ -335,7 +335,8 @@ class ShardedParams(ParamStore):
             return
         self.pool.lend(self.full.untyped_storage(), self._full_nbytes)
         self._source = self._device_shard()
-        self._handle = comm.all_gather(self.full, self._source, async_op=True)
+        gather = comm.all_gather_int8 if self.policy.int8_gathers else comm.all_gather
+        self._handle = gather(self.full, self._source, async_op=True)
         self._state = ParamState.GATHERING
 
     def finish_unshard(self) -> None:

@@ -1,4 +1,5 @@
-"""Dtypes of each copy of the model state, input casts, and the dynamic loss scaler."""
+"""Dtypes of each copy of the model state (and of what the collectives send), input casts,
+and the dynamic loss scaler."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ class PrecisionPolicy:
     """Gradients as they are communicated."""
     scales_loss: bool
     """fp16 needs loss scaling to keep small gradients representable."""
+    int8_gathers: bool = False
+    """Stage-3 parameter all-gathers go over the wire as block-wise int8 (``quantize.py``)."""
+    int8_reductions: bool = False
+    """Gradient reduce-scatters go over the wire as block-wise int8."""
 
     @property
     def separate_master(self) -> bool:
@@ -70,6 +75,8 @@ def make_policy(config: ZeroConfig) -> PrecisionPolicy:
         master_dtype=master,
         reduce_dtype=reduce,
         scales_loss=config.precision == "16-mixed",
+        int8_gathers=config.quantize_weights == "int8",
+        int8_reductions=config.quantize_gradients == "int8",
     )
 
 

@@ -219,7 +219,7 @@ def build_units(
             params, layout, shard_rank, policy, placement, comm
         )
         gstore = GRAD_STORES[spec.kind.grads](layout, shard_rank, policy.reduce_dtype, device,
-                                              pool)
+                                              pool, policy.int8_reductions)
         units.append(Unit(index, spec, layout, pstore, gstore, params,
                           placement.offload_optimizer))
     return units
