@@ -62,7 +62,7 @@ ZERO_OPTIONS = (
     "reduce_dtype", "bucket_numel", "unit_numel", "param_persistence_threshold", "prefetch",
     "unit_leaf_classes", "check_gather_order", "overlap_param_gather", "offload_optimizer",
     "offload_params", "broadcast_buffers", "nonfinite_grads", "elementwise_optimizer",
-    "quantize_weights", "quantize_gradients", "loss_scale", "timeout",
+    "shard_group_size", "quantize_weights", "quantize_gradients", "loss_scale", "timeout",
 )
 """ZeroConfig's fields a recipe may set under ``strategy.zero`` (stage and precision have keys
 of their own). Listed here, not imported, so composing needs no torch; a test keeps the list

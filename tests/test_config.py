@@ -30,6 +30,8 @@ from zero_strategy.config import STAGE3_DEFAULTS
         ({"stage": 0, "offload_optimizer": True}, "offload_optimizer", "stage >= 1"),
         ({"offload_optimizer": "yes"}, "offload_optimizer", "True or False"),
         ({"overlap_param_gather": 1}, "overlap_param_gather", "True or False"),
+        ({"stage": 2, "shard_group_size": 0}, "shard_group_size", "positive int"),
+        ({"stage": 0, "shard_group_size": 2}, "shard_group_size", "stage >= 1"),
         ({"stage": 3, "quantize_weights": "int4"}, "quantize_weights", "'off', 'int8'"),
         ({"stage": 2, "quantize_weights": "int8"}, "quantize_weights", "stage=3"),
         ({"stage": 2, "quantize_gradients": True}, "quantize_gradients", "'off', 'int8'"),

@@ -36,11 +36,14 @@ if TYPE_CHECKING:
 
 class ParamAccess:
     def __init__(self, units: list[Unit], runtime: Runtime, comm: Communicator,
-                 names: dict[int, str], overlap: bool) -> None:
+                 names: dict[int, str], overlap: bool, world: Communicator | None = None) -> None:
         self.overlap = overlap
         self.units = units
         self.runtime = runtime
-        self.comm = comm
+        self.shards = comm
+        self.comm = world or comm
+        """Every rank: ``modifier_rank`` names one of them, and whether anything was edited is
+        agreed over all of them (``shards`` re-gathers a unit)."""
         self.names = names
         self.place: dict[int, tuple[Unit, int]] = {}
         self.sharded: set[int] = set()
@@ -194,7 +197,7 @@ class ParamAccess:
             self.comm.all_reduce_max(flag)
         if flag.item():
             for unit in units:  # put the compute copies back: the edit is not kept
-                unit.param_store.discard_compute_edits(self.comm)
+                unit.param_store.discard_compute_edits(self.shards)
             where = ", ".join(repr(u.name or "<root>") for u in edited) or "another rank"
             raise RuntimeError(
                 f"parameters were modified inside engine.gathered_parameters() without "

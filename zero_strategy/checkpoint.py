@@ -179,12 +179,14 @@ def _write_rank_files(engine: ZeroEngine, tmp: Path, client_state: dict[str, Any
     comm = engine.comm
     files: dict[str, Any] = {}
     tensors, records = _shard_tensors(engine)
-    shard_index = comm.rank if engine.plan.optimizer_shards > 1 else 0
+    shard_index = engine.shards.rank if engine.plan.optimizer_shards > 1 else 0
     tensors.update(owned)
     for record in records.values():
         for info in record.get("whole", {}).values():
             info["shard"] = shard_index
-    if engine.plan.optimizer_shards > 1 or comm.rank == 0:
+    # Under hybrid sharding every replica group holds the same shards: the first writes them.
+    first_replica = engine.replicas is None or engine.replicas.rank == 0
+    if first_replica and (engine.plan.optimizer_shards > 1 or comm.rank == 0):
         name = shard_file(shard_index)
         files[name] = _save_tensors(tensors, tmp / name)
     if comm.rank == 0:
@@ -373,7 +375,7 @@ def _manifest(engine: ZeroEngine, tag: str, merged: dict[str, Any], client: bool
     scaler = engine.scaler.state_dict() if engine.scaler is not None else None
     return {
         "format": FORMAT, "version": VERSION, "tag": tag,
-        "stage": engine.plan.stage, "world_size": engine.comm.world_size,
+        "stage": engine.plan.stage, "world_size": engine.shards.world_size,
         "optimizer_shards": engine.plan.optimizer_shards,
         "precision": engine.config.precision, "optimizer": optimizer_name(engine),
         "engine": {"global_step": engine.global_step, "skipped_steps": engine.skipped_steps,

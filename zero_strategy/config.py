@@ -123,6 +123,12 @@ class ZeroConfig:
     torch's elementwise optimizers are recognised without it."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """Dynamic loss scaling for "16-mixed"; customising it under another precision is an error."""
+    shard_group_size: int | None = None
+    """Hybrid sharding (FSDP's HSDP, ZeRO++'s hierarchical partitioning): shard within groups of
+    this many consecutive ranks (a node's GPUs) and replicate across the groups. Gathers and
+    reduce-scatters stay inside a group; each gradient shard is then all-reduced across the
+    groups, the only traffic between them. Must divide the world size; None (default) shards
+    over every rank. Stages 1-3."""
     quantize_weights: str = "off"
     """Stage 3: send the parameter all-gathers as block-wise int8, one fp32 scale per 256
     elements (ZeRO++'s quantized weight gather): 0.26x the bytes of fp32, 0.52x of bf16. Every
@@ -196,6 +202,8 @@ class ZeroConfig:
             raise ValueError(f"timeout must be a number of seconds > 0, got {self.timeout!r}")
         if self.unit_numel is not None:
             _check_positive_int("unit_numel", self.unit_numel)
+        if self.shard_group_size is not None:
+            _check_positive_int("shard_group_size", self.shard_group_size)
         threshold = self.param_persistence_threshold
         if threshold is not None and (
             isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0
@@ -217,6 +225,10 @@ class ZeroConfig:
                     f"offload_params requires stage=3 (got stage={self.stage}): only stage 3 "
                     "shards parameters; use offload_optimizer for stages 1-2"
                 )
+        if self.shard_group_size is not None and self.stage == 0:
+            raise ValueError(
+                f"shard_group_size={self.shard_group_size} requires stage >= 1 (stage 0 shards "
+                "nothing); allowed stages: 1, 2, 3")
         if self.quantize_weights != "off" and self.stage != 3:
             raise ValueError(
                 f"quantize_weights={self.quantize_weights!r} requires stage=3 (got stage="

@@ -30,7 +30,7 @@ from .params import Placement
 from .plan import make_plan
 from .precision import LossScaler
 from .runtime import Runtime
-from .units import NamedParams, build_units
+from .units import NamedParams, UnitComms, build_units
 
 
 class ZeroEngine:
@@ -61,12 +61,16 @@ class ZeroEngine:
             raise TypeError(f"config must be a ZeroConfig, got {type(self.config).__name__}")
         self.comm = Communicator(process_group, timeout=self.config.timeout,
                                  step=lambda: self.global_step)
+        """Every rank: what all of them must agree on (buffers, skipped steps, checkpoints)."""
         self.module = model
         self.device = _single_device(model, device, self.comm.backend)
         self.comm.use_device(self.device)
         _use_cuda_device(self.device)
+        self.pool = BufferPool(self.device)
+        self.comm.use_scratch(self.pool.take, self.pool.give)
+        self.shards, self.replicas = self._shard_groups()
         materializer = Materializer(model, self.device, param_init_fn) if has_meta(model) else None
-        self.plan = make_plan(self.config, self.comm.world_size)
+        self.plan = make_plan(self.config, self.shards.world_size)
         optimizer = _as_one_optimizer(optimizer)
         managed, group_of = _managed_parameters(model, optimizer)
         for part in optimizer_parts(optimizer):  # refusals before anything is built
@@ -77,24 +81,22 @@ class ZeroEngine:
         self.user_optimizer = optimizer
         self._optimizer_signature = _signature(optimizer)
         self.transfers = offload.Transfers.for_device(self.device)
-        self.pool = BufferPool(self.device)
-        self.comm.use_scratch(self.pool.take, self.pool.give)
         self.placement = Placement(self.device, self.plan.offload_optimizer,
                                    self.plan.offload_params, self.transfers, self.pool)
-        self.units = build_units(model, managed, group_of, self.plan, self.comm, self.placement,
-                                 materializer)
+        self.units = build_units(model, managed, group_of, self.plan, self._unit_comms(),
+                                 self.placement, materializer)
         if materializer is not None:
             materializer.finish()
         self._prepare_unmanaged(model, {id(p) for _, p in managed})
         self.optimizer = ShardedOptimizer(
-            optimizer, self.units, self.comm, self.plan.optimizer_shards,
+            optimizer, self.units, self.shards, self.plan.optimizer_shards,
             self.config.elementwise_optimizer, exchange_numel=self.plan.bucket_numel)
-        self.runtime = Runtime(self.units, self.comm, model, self.plan.prefetch,
-                               self.plan.check_gather_order)
+        self.runtime = Runtime(self.units, self.shards, model, self.plan.prefetch,
+                               self.plan.check_gather_order, world=self.comm)
         self.hooks = HookSet()
         self.hooks.install(self.units, self.runtime)
-        self.access = ParamAccess(self.units, self.runtime, self.comm, self.param_names,
-                                  self.plan.overlap_param_gather)
+        self.access = ParamAccess(self.units, self.runtime, self.shards, self.param_names,
+                                  self.plan.overlap_param_gather, world=self.comm)
         self.patches = ModulePatches(self.access, watch=bool(self.access.watched))
         self.patches.install(model)
         self.optimizer_patches = [
@@ -109,6 +111,17 @@ class ZeroEngine:
         self._buffers = [b for b in model.buffers() if b is not None]
 
     # ------------------------------------------------------------------ setup helpers
+    def _shard_groups(self) -> tuple[Communicator, Communicator | None]:
+        """The ranks a unit is sharded over, and (hybrid sharding) the ranks holding the same
+        shard, across which gradient shards are all-reduced."""
+        size = self.config.shard_group_size
+        if size is None or size == self.comm.world_size:
+            return self.comm, None
+        return self.comm.split(size)
+
+    def _unit_comms(self) -> UnitComms:
+        return UnitComms(shards=self.shards, world=self.comm, replicas=self.replicas)
+
     def _prepare_unmanaged(self, model: nn.Module, managed_ids: set[int]) -> None:
         """Frozen parameters and buffers stay whole: cast to the compute dtype, rank 0's copy."""
         compute = self.plan.policy.compute_dtype
@@ -267,7 +280,7 @@ class ZeroEngine:
         of each bucket (``ParamAccess``) or ``runtime.settle()``."""
         with record_function("zero::update_params"):
             for unit in reversed(self.units):
-                unit.param_store.after_step(self.comm)
+                unit.param_store.after_step(self.shards)
             if not self.plan.overlap_param_gather:
                 self.runtime.settle()
 
@@ -309,8 +322,8 @@ class ZeroEngine:
                                ".grad from before; set it to None first (optimizer.zero_grad())")
         self.runtime.settle()
         self.runtime.reshard_all()
-        units = build_units(self.module, new, group_of, self.plan, self.comm, self.placement,
-                            first_index=len(self.units))
+        units = build_units(self.module, new, group_of, self.plan, self._unit_comms(),
+                            self.placement, first_index=len(self.units))
         self.units.extend(units)
         for name, p in new:
             self.param_names[id(p)] = name
@@ -391,7 +404,7 @@ class ZeroEngine:
         self.runtime.reshard_all()
         with torch.no_grad():
             for unit in self.units:
-                flat = unit.param_store.gather_master(self.comm)
+                flat = unit.param_store.gather_master(self.shards)
                 for slot, p in zip(unit.layout.slots, unit.params):
                     value = flat[slot.offset : slot.end].view(slot.shape)
                     p.data = value.to(self._original_dtypes[id(p)], copy=True)
@@ -428,7 +441,7 @@ class ZeroEngine:
     def _part_state_dict(self, k: int) -> Any:
         def save() -> dict[str, Any]:
             self._check_open("optimizer.state_dict")
-            return full_state_dict(self.optimizer.parts[k], self.param_names, self.comm)
+            return full_state_dict(self.optimizer.parts[k], self.param_names, self.shards)
         return save
 
     def _part_loader(self, k: int) -> Any:
@@ -443,7 +456,7 @@ class ZeroEngine:
         values: dict[int, torch.Tensor] = {}
         self.runtime.settle()
         for unit in self.units:
-            flat = unit.param_store.gather_master(self.comm).cpu()
+            flat = unit.param_store.gather_master(self.shards).cpu()
             for slot, p in zip(unit.layout.slots, unit.params):
                 values[id(p)] = flat[slot.offset : slot.end].view(slot.shape).clone()
         out = {}
@@ -505,7 +518,7 @@ class ZeroEngine:
     def predicted_memory(self) -> Any:
         owner_parts = [p for p in self.optimizer.parts if isinstance(p, OwnerPart)]
         return estimate_memory(
-            self.num_params, stage=self.plan.stage, world_size=self.comm.world_size,
+            self.num_params, stage=self.plan.stage, world_size=self.shards.world_size,
             precision=self.config.precision, optimizer_states=self.optimizer.states_per_param(),
             reduce_dtype=self.config.reduce_dtype, offload_optimizer=self.config.offload_optimizer,
             offload_params=self.config.offload_params,
@@ -518,8 +531,21 @@ class ZeroEngine:
         )
 
     def comm_bytes(self) -> dict[str, int]:
-        """Bytes this rank has sent so far, per collective."""
-        return self.comm.snapshot()
+        """Bytes this rank has sent so far, per collective, and their total. With hybrid
+        sharding also ``within_groups`` (gathers and reduce-scatters in the shard group) and
+        ``across_groups`` (the all-reduce of gradient shards between replicas); the rest of
+        the total is what every rank agrees on (flags, norms, buffers)."""
+        comms = [self.comm] + ([self.shards, self.replicas] if self.replicas is not None
+                               else [])
+        out: dict[str, int] = {}
+        for comm in comms:
+            for op, n in comm.bytes_sent.items():
+                out[op] = out.get(op, 0) + n
+        out["total"] = sum(c.snapshot()["total"] for c in comms)
+        if self.replicas is not None:
+            out["within_groups"] = self.shards.snapshot()["total"]
+            out["across_groups"] = self.replicas.snapshot()["total"]
+        return out
 
     def train(self, mode: bool = True) -> ZeroEngine:
         self.module.train(mode)

@@ -25,7 +25,7 @@ class GradStore(ABC):
     grad_shard: torch.Tensor
 
     def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype, device: torch.device,
-                 pool: BufferPool, int8: bool = False):
+                 pool: BufferPool, int8: bool = False, replicas: Communicator | None = None):
         self.layout = layout
         self.rank = rank
         self.dtype = dtype
@@ -33,6 +33,9 @@ class GradStore(ABC):
         self.pool = pool
         self.int8 = int8
         """Reduce-scatters go over the wire as block-wise int8 (``quantize.py``)."""
+        self.replicas = replicas
+        """Hybrid sharding: the ranks holding the same shard; each reduced shard is summed
+        across them, so a gradient is divided by every rank of the world, not of the group."""
         self._pending: tuple[Handle, torch.Tensor | None] | None = None
 
     def _local_view(self, buf: torch.Tensor, index: int) -> torch.Tensor:
@@ -59,10 +62,20 @@ class GradStore(ABC):
     def held_tensors(self) -> list[torch.Tensor]:
         """Tensors this store holds now, for memory accounting."""
 
+    def _ranks(self, comm: Communicator) -> int:
+        """Every rank contributing to a reduced gradient: the average is taken over them."""
+        return comm.world_size * (self.replicas.world_size if self.replicas else 1)
+
     def _reduce_scatter(self, comm: Communicator, out: torch.Tensor,
                         local: torch.Tensor) -> Handle:
         reduce = comm.reduce_scatter_int8 if self.int8 else comm.reduce_scatter
         return reduce(out, local, async_op=True)
+
+    def _across_replicas(self, reduced: torch.Tensor) -> None:
+        """Hybrid sharding: add the other replicas' reductions of this shard (the only
+        traffic between shard groups)."""
+        if self.replicas is not None:
+            self.replicas.all_reduce(reduced)
 
     def wait(self) -> torch.Tensor | None:
         handle, out = self._pending if self._pending else (None, None)
@@ -76,8 +89,8 @@ class AllReducedGrads(GradStore):
     """Stage 0: every rank keeps the full gradient and all-reduces it (data parallel)."""
 
     def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype, device: torch.device,
-                 pool: BufferPool, int8: bool = False):
-        super().__init__(layout, rank, dtype, device, pool, int8)
+                 pool: BufferPool, int8: bool = False, replicas: Communicator | None = None):
+        super().__init__(layout, rank, dtype, device, pool, int8, replicas)
         self.buffer = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
         self.grad_shard = self.buffer
 
@@ -109,8 +122,8 @@ class ScatteredFullGrads(GradStore):
     """
 
     def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype, device: torch.device,
-                 pool: BufferPool, int8: bool = False):
-        super().__init__(layout, rank, dtype, device, pool, int8)
+                 pool: BufferPool, int8: bool = False, replicas: Communicator | None = None):
+        super().__init__(layout, rank, dtype, device, pool, int8, replicas)
         self.buffer = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
         lo, hi = layout.shard_bounds(rank)
         self.grad_shard = self.buffer[lo:hi]
@@ -126,13 +139,14 @@ class ScatteredFullGrads(GradStore):
     def launch_reduce(self, comm: Communicator) -> None:
         # Not straight into ``grad_shard``: it is a slice of the input being reduced.
         out = self.pool.take(self.grad_shard.numel(), self.dtype)
-        self._world_size = comm.world_size  # what the average is taken over
-        self.buffer.div_(comm.world_size)
+        self._world_size = self._ranks(comm)  # what the average is taken over
+        self.buffer.div_(self._world_size)
         self._pending = (self._reduce_scatter(comm, out, self.buffer), out)
 
     def finish_reduce(self) -> None:
         reduced = self.wait()
         assert reduced is not None
+        self._across_replicas(reduced)
         self.buffer.zero_()
         self.grad_shard.copy_(reduced)
         self.pool.give(reduced)
@@ -159,8 +173,8 @@ class ShardedGrads(GradStore):
     and the runtime drops the parameter's reference right after."""
 
     def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype, device: torch.device,
-                 pool: BufferPool, int8: bool = False):
-        super().__init__(layout, rank, dtype, device, pool, int8)
+                 pool: BufferPool, int8: bool = False, replicas: Communicator | None = None):
+        super().__init__(layout, rank, dtype, device, pool, int8, replicas)
         self._shard: torch.Tensor | None = None
         self._summed = False
         """Whether ``_shard`` holds a reduced gradient (else zeros, or nothing yet)."""
@@ -207,12 +221,13 @@ class ShardedGrads(GradStore):
         local = self.local if self.local is not None else self._take_local()
         out = (self.pool.take(self.layout.shard_numel, self.dtype) if self._summed
                else self.grad_shard)
-        local.div_(comm.world_size)
+        local.div_(self._ranks(comm))
         self._pending = (self._reduce_scatter(comm, out, local), out)
 
     def finish_reduce(self) -> None:
         reduced = self.wait()
         assert reduced is not None and self.local is not None
+        self._across_replicas(reduced)  # only this reduction: earlier ones were summed already
         if reduced is not self._shard:
             self.grad_shard.add_(reduced)
             self.pool.give(reduced)

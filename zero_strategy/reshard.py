@@ -375,7 +375,7 @@ def _stage(engine: ZeroEngine, reader: CheckpointReader, load_optimizer: bool,
            before_commit: Callable[[dict[str, Any] | None], None] | None) -> _Staged:
     """Read what this rank will write: its master pieces, the module's buffers, its optimizer
     state ranges, the client state. Costs one more copy of the rank's shard until commit."""
-    rank = engine.comm.rank if engine.plan.optimizer_shards > 1 else 0
+    rank = engine.shards.rank if engine.plan.optimizer_shards > 1 else 0
     masters = []
     for unit in engine.units:
         for piece in unit.layout.pieces(rank):

@@ -51,9 +51,14 @@ class GatherOrderError(RuntimeError):
 
 class Runtime:
     def __init__(self, units: list[Unit], comm: Communicator, root: torch.nn.Module,
-                 prefetch: bool, check_gather_order: bool) -> None:
+                 prefetch: bool, check_gather_order: bool,
+                 world: Communicator | None = None) -> None:
         self.units = units
         self.comm = comm
+        self.world = world or comm
+        """Every rank (``comm`` is the shard group under hybrid sharding): they all check the
+        gather order (replicas reduce in the order their groups gathered) and agree on which
+        parameters were used anywhere."""
         self.prefetch = prefetch
         self.check_gather_order = check_gather_order and comm.world_size > 1
         self.defer_order_check = comm.device.type != "cpu"
@@ -81,13 +86,13 @@ class Runtime:
             if self.check_gather_order and self.defer_order_check:
                 self._tag_gather(unit)
             elif self.check_gather_order:
-                self._check_tags(unit, self.comm.all_gather_ints(unit.index))
+                self._check_tags(unit, self.world.all_gather_ints(unit.index))
             store.start_unshard(self.comm)
 
     def _tag_gather(self, unit: Unit) -> None:
-        mine = torch.tensor([unit.index], dtype=torch.int64, device=self.comm.device)
-        out = torch.empty(self.comm.world_size, dtype=torch.int64, device=self.comm.device)
-        self._tags.append((unit, out, self.comm.all_gather(out, mine, async_op=True)))
+        mine = torch.tensor([unit.index], dtype=torch.int64, device=self.world.device)
+        out = torch.empty(self.world.world_size, dtype=torch.int64, device=self.world.device)
+        self._tags.append((unit, out, self.world.all_gather(out, mine, async_op=True)))
         if len(self._tags) >= DEFERRED_TAGS:
             self.verify_gather_order()
 
@@ -273,8 +278,8 @@ class Runtime:
         step is left alone by the optimizer, as torch skips a parameter whose grad is None."""
         flags = torch.tensor([u for unit in self.units for u in unit.used], dtype=torch.float32,
                              device=self.units[0].grad_store.device)
-        if self.comm.world_size > 1:
-            self.comm.all_reduce_max(flags)
+        if self.world.world_size > 1:
+            self.world.all_reduce_max(flags)
         used = flags.tolist()
         offset = 0
         for unit in self.units:

@@ -199,14 +199,25 @@ def plan_specs(model: nn.Module, managed: NamedParams, plan: ZeroPlan) -> list[U
     return specs
 
 
+@dataclass(frozen=True)
+class UnitComms:
+    """Who a unit communicates with: ``shards`` (gathers, reduce-scatters), ``world`` (every
+    rank: the initial values are rank 0's) and, with hybrid sharding, ``replicas`` (the ranks
+    holding the same shard, across which gradient shards are all-reduced)."""
+
+    shards: Communicator
+    world: Communicator
+    replicas: Communicator | None = None
+
+
 def build_units(
     model: nn.Module, managed: NamedParams, group_of: dict[int, int], plan: ZeroPlan,
-    comm: Communicator, placement: Placement,
+    comms: UnitComms, placement: Placement,
     materializer: Materializer | None = None, first_index: int = 0,
 ) -> list[Unit]:
     device, pool = placement.device, placement.pool
     policy = plan.policy
-    shard_rank = comm.rank if plan.optimizer_shards > 1 else 0
+    shard_rank = comms.shards.rank if plan.optimizer_shards > 1 else 0
     units = []
     for index, spec in enumerate(plan_specs(model, managed, plan), start=first_index):
         entries = [(name, p.shape, group_of[id(p)]) for name, p in spec.params]
@@ -216,10 +227,10 @@ def build_units(
         if materializer is not None:  # only now: one unit's full values exist at a time
             materializer.ensure(params)
         pstore = PARAM_STORES[spec.kind.params](
-            params, layout, shard_rank, policy, placement, comm
+            params, layout, shard_rank, policy, placement, comms.world
         )
         gstore = GRAD_STORES[spec.kind.grads](layout, shard_rank, policy.reduce_dtype, device,
-                                              pool, policy.int8_reductions)
+                                              pool, policy.int8_reductions, comms.replicas)
         units.append(Unit(index, spec, layout, pstore, gstore, params,
                           placement.offload_optimizer))
     return units
