@@ -69,7 +69,17 @@ def run_columns(trainer: L.Trainer) -> dict[str, Any]:
     precision = engine.plan.policy.name if engine is not None else trainer.precision
     return {"strategy": name, "stage": stage, "precision": str(precision),
             "world_size": int(trainer.world_size),
-            "optim": optimizer_label(trainer.optimizers) if trainer.optimizers else None}
+            "optim": optimizer_label(trainer.optimizers) if trainer.optimizers else None,
+            "zero_options": changed_options(engine.config) if engine is not None else None}
+
+
+def changed_options(config: zs.ZeroConfig) -> str:
+    """The engine's options that differ from ZeroConfig's defaults for its stage (stage and
+    precision have columns of their own), e.g. ``quantize_weights=int8``; "defaults" if none."""
+    default = zs.ZeroConfig(stage=config.stage).to_dict()
+    changed = {k: v for k, v in config.to_dict().items()
+               if k not in ("stage", "precision") and v != default[k]}
+    return ", ".join(f"{k}={v}" for k, v in sorted(changed.items())) or "defaults"
 
 
 class JobMetrics(L.Callback):

@@ -41,6 +41,7 @@ def rows(sweep_dir: Path) -> list[dict[str, Any]]:
             "comm_mib_per_step": (m["comm_bytes_per_step"] / mib
                                   if m.get("comm_bytes_per_step") is not None else None),
             "val_acc": m.get("val_acc"), "job": path.parent.name,
+            "zero_options": m.get("zero_options"),
             "requested": m.get("requested", {}),
         })
     return out
@@ -65,20 +66,32 @@ def changed_by_the_run(row: dict[str, Any]) -> list[str]:
             for key, asked in row.get("requested", {}).items() if row.get(key) != asked]
 
 
+OPTIONS = ("zero_options", "zero options", "{}")
+
+
+def columns(table: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """The report's columns; the engine options that differ from the defaults get one when
+    some job changed any (a sweep over ``strategy.zero.*`` would otherwise show rows that
+    look alike)."""
+    changed = any(r.get("zero_options") not in (None, "defaults") for r in table)
+    return COLUMNS[:1] + [OPTIONS] + COLUMNS[1:] if changed else COLUMNS
+
+
 def write(sweep_dir: Path) -> list[Path]:
     table = rows(sweep_dir)
     if not table:
         return []
-    keys = [k for k, _, _ in COLUMNS] + ["val_acc", "job"]
+    shown = columns(table)
+    keys = [k for k, _, _ in COLUMNS] + ["val_acc", "job", "zero_options"]
     with open(sweep_dir / "report.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys)
         writer.writeheader()
         writer.writerows({k: r.get(k) for k in keys} for r in table)
-    head = "| " + " | ".join(h for _, h, _ in COLUMNS) + " |"
+    head = "| " + " | ".join(h for _, h, _ in shown) + " |"
     lines = [f"# Sweep report: {sweep_dir}", "", head,
-             "|" + "---|" * len(COLUMNS)]
+             "|" + "---|" * len(shown)]
     for r in table:
-        lines.append("| " + " | ".join(cell(r, k, fmt) for k, _, fmt in COLUMNS) + " |")
+        lines.append("| " + " | ".join(cell(r, k, fmt) for k, _, fmt in shown) + " |")
     changes = [f"- {r['job']}: {', '.join(c)}" for r in table if (c := changed_by_the_run(r))]
     if changes:
         lines += ["", "Jobs that did not run as requested (the table shows what ran):", *changes]

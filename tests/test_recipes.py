@@ -136,9 +136,11 @@ def test_report_columns_are_read_from_the_run() -> None:
     with pytest.warns(UserWarning, match="AMP with fp16 is not supported on CPU"):
         zero, ddp = trainer("zero3"), trainer(DDPStrategy())
     assert metrics.run_columns(zero) == {"strategy": "zero3", "stage": 3, "world_size": 2,
-                                         "precision": "bf16-mixed", "optim": None}
+                                         "precision": "bf16-mixed", "optim": None,
+                                         "zero_options": None}
     assert metrics.run_columns(ddp) == {"strategy": "ddp", "stage": None, "world_size": 2,
-                                        "precision": "bf16-mixed", "optim": None}
+                                        "precision": "bf16-mixed", "optim": None,
+                                        "zero_options": None}
     assert metrics.strategy_label(ZeroStrategy(stage=2, offload_optimizer=True)) == (
         "zero2_offload", 2)
     assert metrics.strategy_label(ZeroStrategy(stage=3, offload_optimizer=True)) == (
@@ -147,11 +149,14 @@ def test_report_columns_are_read_from_the_run() -> None:
                                                offload_params=True)) == ("zero3_offload", 3)
     params = [torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2))]
     combined = zs.CombinedOptimizer([torch.optim.SGD(params[:1]), torch.optim.AdamW(params[1:])])
-    engine = SimpleNamespace(plan=SimpleNamespace(policy=SimpleNamespace(name="bf16-true")))
+    engine = SimpleNamespace(plan=SimpleNamespace(policy=SimpleNamespace(name="bf16-true")),
+                             config=zs.ZeroConfig(stage=1, quantize_gradients="int8",
+                                                  shard_group_size=2))
     ran = SimpleNamespace(strategy=SimpleNamespace(config=zs.ZeroConfig(stage=1), engine=engine),
                           precision="32-true", world_size=4, optimizers=[combined])
-    assert metrics.run_columns(ran) == {"strategy": "zero1", "stage": 1, "world_size": 4,
-                                        "precision": "bf16-true", "optim": "sgd+adamw"}
+    assert metrics.run_columns(ran) == {
+        "strategy": "zero1", "stage": 1, "world_size": 4, "precision": "bf16-true",
+        "optim": "sgd+adamw", "zero_options": "quantize_gradients=int8, shard_group_size=2"}
 
 
 def test_report_lists_what_did_not_run_as_requested(tmp_path: Path) -> None:
@@ -168,6 +173,12 @@ def test_report_lists_what_did_not_run_as_requested(tmp_path: Path) -> None:
     assert report.changed_by_the_run(same) == []
     assert report.changed_by_the_run(changed) == [
         "precision requested '16-mixed', ran 'bf16-mixed'"]
+    # Rows that differ only in engine options get a column saying which (else they would
+    # look alike); without such a sweep the column is left out.
+    assert report.OPTIONS not in report.columns([same, changed])
+    options = [dict(same, zero_options="defaults"),
+               dict(same, zero_options="quantize_weights=int8")]
+    assert report.columns(options)[1] == report.OPTIONS
 
 
 def _run(*args: str, cwd: Path, env: dict[str, str] | None = None

@@ -379,7 +379,7 @@ class Communicator:
         peers = [r for r in range(self.world_size) if r != self.rank]
         # The first peer's piece lands in ``output`` itself; only the others need scratch
         # (none on two ranks).
-        take, give = self._scratch or (self._allocate, lambda t: None)
+        take, give = self._lender()
         scratch = take((len(peers) - 1) * output.numel(), output.dtype) if peers[1:] else None
         targets = [output] + (list(scratch.view(len(peers) - 1, -1)) if scratch is not None
                               else [])
@@ -399,8 +399,12 @@ class Communicator:
 
         return self._finish_exchange(_Exchange(self, works, "reduce_scatter", finish), async_op)
 
-    def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype, device=self.device)
+    def _lender(self) -> tuple[Scratch, Release]:
+        """Where receive and encode buffers come from: the engine's pool, else fresh."""
+        if self._scratch is not None:
+            return self._scratch
+        return (lambda numel, dtype: torch.empty(numel, dtype=dtype, device=self.device),
+                lambda tensor: None)
 
     def _finish_exchange(self, exchange: _Exchange, async_op: bool) -> Handle:
         if not async_op:
@@ -415,7 +419,7 @@ class Communicator:
         this rank's too, holds the decoded values, so all ranks compute with the same ones."""
         self._check("all_gather", flat_output, shard)
         n, nb = self.world_size, quantize.blocks(shard.numel())
-        take, give = self._scratch or (self._allocate, lambda t: None)
+        take, give = self._lender()
         payload = take(n * nb * quantize.BLOCK, torch.int8).view(n, -1)
         scales = take(n * nb, torch.float32).view(n, -1)
         scratch = take(nb * quantize.BLOCK, torch.float32)
@@ -446,7 +450,7 @@ class Communicator:
             output.copy_(pieces[0])
             return _Done()
         nb = quantize.blocks(k)
-        take, give = self._scratch or (self._allocate, lambda t: None)
+        take, give = self._lender()
         sent = [take(n * nb * quantize.BLOCK, torch.int8), take(n * nb, torch.float32)]
         got = [take(t.numel(), t.dtype) for t in sent]
         scratch = take(nb * quantize.BLOCK, torch.float32)
