@@ -41,7 +41,7 @@ def flat_config(cfg: Any) -> dict[str, Any]:
             return
         out[prefix[:-1]] = node
 
-    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    walk(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "")
     return {k: v for k, v in out.items() if k not in NODE_LOCAL}
 
 

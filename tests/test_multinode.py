@@ -192,3 +192,151 @@ def test_recipe_sweep_on_two_nodes_restarts_and_matches_one_node(one_node: dict,
     other = nodes.logs[1 - writers[0]]
     assert "sweep report: left to the node that ran rank 0 of job 0-" in other
     assert f"(its Hydra process {jobs['zero3']['launcher']})" in other
+
+
+def test_nodes_with_their_own_job_directories_each_get_the_metrics(one_node: dict,
+                                                                   tmp_path: Path) -> None:
+    """Each node writes into a directory of its own (no shared filesystem), checkpoints off:
+    rank 0 writes its node's metrics.json and the other node's local rank 0 the same record
+    into its own, so both Hydra processes read the job's result (here bit-identical to the
+    1-node run's)."""
+    port, dirs = free_port(span=2), [tmp_path / "node0", tmp_path / "node1"]
+    nodes = run_nodes([recipe(port, "trainer.checkpoint_every=0", f"hydra.run.dir={d}")
+                       for d in dirs], tmp_path / "logs", timeout=300)
+    assert nodes.ok, nodes.tail()
+    records = [metrics_of(d) for d in dirs]
+    assert records[0] == records[1], "the same record (rank 0's) on both nodes"
+    assert records[0]["world_size"] == 4 and records[0]["nodes"] == 2
+    assert records[0]["weights_sha256"] == one_node["weights_sha256"]
+    for log in nodes.logs:  # each Hydra process read it and printed the job's summary
+        assert "[gpt-tiny-zero3] zero3 x4: loss" in log
+
+
+def test_checkpoints_need_every_node_to_see_rank_0s_job_directory(tmp_path: Path) -> None:
+    """Checkpoints are one directory every rank writes into: nodes that do not see rank 0's
+    job directory are refused on every rank, before training, naming the keys."""
+    port = free_port(span=2)
+    nodes = run_nodes([recipe(port, "trainer.checkpoint_every=2", "trainer.max_restarts=0",
+                              f"hydra.run.dir={tmp_path / d}") for d in ("node0", "node1")],
+                      tmp_path / "logs", timeout=300)
+    assert nodes.returncodes == [1, 1], nodes.tail()
+    for log in nodes.logs:  # ranks 0-1 are the node whose directory rank 0's is
+        assert ("trainer.checkpoint_every=2 with trainer.num_nodes=2: every rank writes its "
+                "shards into one checkpoint directory") in log, log[-3000:]
+        assert "but ranks [2, 3] do not see it" in log, log[-3000:]
+    for d in ("node0", "node1"):  # refused before the first step: nothing written
+        assert sorted(p.name for p in (tmp_path / d).iterdir()) == [".hydra", "job.yaml",
+                                                                    "train.log"]
+
+
+# ------------------------------------------------------------------------------ recipe keys
+def _compose(overrides: list[str], hydra: bool = False):  # noqa: ANN202
+    import schema
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    schema.register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=hydra)
+
+
+@pytest.mark.parametrize(("overrides", "named"), [
+    (["trainer.num_nodes=0"], "trainer.num_nodes=0: must be 1 or more"),
+    (["trainer.num_nodes=2"], "trainer.num_nodes=2 needs trainer.rdzv_endpoint=HOST:PORT"),
+    (["trainer.rdzv_endpoint=node0:29400"],
+     "trainer.rdzv_endpoint='node0:29400' with trainer.num_nodes=1: a one-node job"),
+    (["trainer.num_nodes=2", "trainer.rdzv_endpoint=node0"], "'node0' is not HOST:PORT"),
+    (["trainer.num_nodes=2", "trainer.rdzv_endpoint=:29400"], "':29400' is not HOST:PORT"),
+    (["trainer.num_nodes=2", "trainer.rdzv_endpoint=node0:65535"],
+     "'node0:65535' is not HOST:PORT with PORT in 1..65534"),
+])
+def test_bad_multi_node_keys_are_refused_naming_them(overrides: list[str], named: str) -> None:
+    import launch
+
+    with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(".", r"\.")):
+        launch.check_job(_compose(["trainer=fast", *overrides]))
+
+
+def test_a_node_without_an_endpoint_starts_no_worker(tmp_path: Path) -> None:
+    nodes = run_nodes([python(TRAIN, *FAST, "trainer.num_nodes=2", f"hydra.run.dir={tmp_path}")],
+                      tmp_path / "logs", timeout=120)
+    assert nodes.returncodes == [1]
+    assert "trainer.num_nodes=2 needs trainer.rdzv_endpoint" in nodes.logs[0]
+    assert "processes" not in nodes.logs[0].split("trainer.num_nodes=2 needs")[0]
+
+
+def test_each_job_of_a_sweep_meets_under_its_own_id_on_alternating_ports() -> None:
+    """What the agent is started with: one node on its own; several with the c10d rendezvous
+    at the endpoint, job k under an id derived from the job and on PORT + k % 2."""
+    import agent
+    import rendezvous
+
+    one = _compose(["trainer=fast"]).trainer
+    assert rendezvous.job_rendezvous(one, "gpt-tiny-zero3", 3) is None
+    assert agent.torchrun_args(2, 3, Path("job.yaml"))[0] == "--standalone"
+    two = _compose(["trainer=fast", "trainer.num_nodes=2",
+                    "trainer.rdzv_endpoint=node0:29400"]).trainer
+    got = [rendezvous.job_rendezvous(two, "gpt-tiny-zero3", n) for n in (None, 0, 1, 2)]
+    assert [(r.endpoint, r.run_id) for r in got] == [
+        ("node0:29400", "gpt-tiny-zero3-run"), ("node0:29400", "gpt-tiny-zero3-job0"),
+        ("node0:29401", "gpt-tiny-zero3-job1"), ("node0:29400", "gpt-tiny-zero3-job2")]
+    argv = agent.torchrun_args(2, 3, Path("job.yaml"), got[2])
+    assert argv[:8] == ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                        "node0:29401", "--rdzv-id", "gpt-tiny-zero3-job1"]
+    assert "--standalone" not in argv and argv[8:10] == ["--nproc_per_node", "2"]
+
+
+def test_node_local_keys_are_neither_compared_nor_in_job_directory_names() -> None:
+    """A node may set trainer.preload (and the other node-local keys) differently: the
+    ranks do not compare them, and the job's directory name, which must be the same on
+    every node sharing the sweep directory, leaves them (and the endpoint) out."""
+    from nodes import NODE_LOCAL, disagreements, flat_config
+
+    overrides = ["trainer.num_nodes=2", "trainer.rdzv_endpoint=node0:29400"]
+    naming = _compose(overrides, hydra=True).hydra.job.config.override_dirname
+    assert set(naming.exclude_keys) == {*NODE_LOCAL, "trainer.rdzv_endpoint"}
+    mine = flat_config(_compose(overrides))
+    assert not set(NODE_LOCAL) & set(mine) and mine["trainer.num_nodes"] == 2
+    other = {**mine, "optim.lr": 0.5, "model.size": "base"}
+    assert disagreements([mine, mine, other, other]) == [
+        "model.size: rank 0 has 'small', ranks [2, 3] have 'base'",
+        f"optim.lr: rank 0 has {mine['optim.lr']!r}, ranks [2, 3] have 0.5"]
+    assert disagreements([mine] * 4) == []
+
+
+# ------------------------------------------------------------------------------ Accelerate
+ACCELERATE_CONF = ROOT / "conf" / "accelerate"
+ACCELERATE_RUN = ["--model", "mlp", "--steps", "6", "--accum", "2", "--zero-opt",
+                  "unit_numel=1000", "--zero-opt", "param_persistence_threshold=0"]
+
+
+def accelerate_launch(config: str, out: Path, *launch_args: str) -> list[str]:
+    return python("-m", "accelerate.commands.launch", "--config_file",
+                  str(ACCELERATE_CONF / config), *launch_args,
+                  str(ROOT / "recipes" / "accelerate_train.py"), *ACCELERATE_RUN, "--out", str(out))
+
+
+def test_accelerate_launch_on_two_machines_equals_one_machine_of_four(tmp_path: Path) -> None:
+    """conf/accelerate/multi_machine.yaml (2 machines, 4 processes in all, c10d rendezvous
+    on main_process_ip:main_process_port) launched twice, ``--machine_rank 0`` and ``1``:
+    ZeroAccelerator at stage 3 trains the same as one machine's 4 processes, bit for bit
+    (the same 4 ranks on the same data with the same gloo collectives; only the launch
+    differs): every micro-batch's loss, every step's norm and learning rate, the final
+    weights and the evaluation after training."""
+    port, env = free_port(), {"ZERO_STRATEGY_CONFIG": str(ACCELERATE_CONF / "zero3.yaml")}
+    two = run_nodes([accelerate_launch("multi_machine.yaml", tmp_path / "two",
+                                       "--main_process_port", str(port), "--machine_rank", str(k))
+                     for k in (0, 1)], tmp_path / "logs-two", env=env, first_serves=port)
+    assert two.ok, two.tail()
+    one = run_nodes([accelerate_launch("multi_process.yaml", tmp_path / "one",
+                                       "--num_processes", "4")], tmp_path / "logs-one", env=env)
+    assert one.ok, one.tail()
+    ranks = {name: [json.loads((tmp_path / name / f"rank{r}.json").read_text())
+                    for r in range(4)] for name in ("two", "one")}
+    for a, b in zip(ranks["two"], ranks["one"]):
+        assert (a["num_processes"], a["zero_config"]["stage"]) == (4, 3)
+        for key in ("losses", "norms", "lrs", "reduced", "eval_loss"):
+            assert a[key] == b[key], (a["rank"], key)
+    assert ranks["two"][0]["weights"] == ranks["one"][0]["weights"]
+    assert ranks["one"][0]["moved"] > 1e-2, "training did not move the weights"
