@@ -1,7 +1,7 @@
-"""``Trainer(strategy="zero3", num_nodes=2, devices=2)`` as a user's script, for
-tests/test_multinode.py: started on each "node" either by torchrun (``--nnodes 2``) or by
-Lightning's own launcher (``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK`` set, ``python
-tests/multinode_lightning.py OUT``; Lightning starts the node's second process itself).
+"""``Trainer(strategy=ZeroStrategy(stage=3), num_nodes=2, devices=2)`` as a user's script, for
+tests/test_multinode.py: started on each "node" by Lightning's own launcher (``MASTER_ADDR``,
+``MASTER_PORT``, ``NODE_RANK`` set, ``python tests/multinode_lightning.py OUT``; Lightning
+starts the node's second process itself), or as well under torchrun (``--nnodes 2``).
 
 The data is the engine test's global batches (tests/multinode_engine.py), one step each, rank
 r's quarter handed to rank r, so the test compares with the same single-process reference.

@@ -129,21 +129,18 @@ def check_bytes_sent(ranks: list[dict]) -> None:
     assert first["all_gather"] > 0 and first["reduce_scatter"] > 0, first
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "lightning"])
-def test_lightning_trainer_with_num_nodes_2(launcher: str, tmp_path: Path) -> None:
+def test_lightning_trainer_with_num_nodes_2_on_its_own_launcher(tmp_path: Path) -> None:
     """``Trainer(strategy=ZeroStrategy(stage=3), devices=2, num_nodes=2)`` started on each of
-    2 nodes by torchrun (``--nnodes 2``, c10d) or by Lightning's own launcher
-    (``MASTER_ADDR``/``MASTER_PORT``/``NODE_RANK``; it starts the node's second process):
-    Lightning's ranks, and training as one process on the global batch."""
+    2 nodes by Lightning's own launcher (``MASTER_ADDR``/``MASTER_PORT``/``NODE_RANK``; it
+    starts the node's second process): Lightning's ranks, and training as one process on the
+    global batch. (Under torchrun, Lightning's other way, every multi-node recipe job runs:
+    the recipes' tests below, one node's workers started as ``python -m
+    torch.distributed.run ... worker.py``.)"""
     out = tmp_path / "out"
     out.mkdir()
-    port, script = free_port(), ["tests/multinode_lightning.py", str(out)]
-    if launcher == "torchrun":
-        nodes = run_nodes([torchrun(port, "lightning", *script)] * 2, tmp_path / "logs")
-    else:
-        nodes = run_nodes([python(*script)] * 2, tmp_path / "logs",
-                          env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
-                          envs=[{"NODE_RANK": "0"}, {"NODE_RANK": "1"}])
+    nodes = run_nodes([python("tests/multinode_lightning.py", str(out))] * 2, tmp_path / "logs",
+                      env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())},
+                      envs=[{"NODE_RANK": "0"}, {"NODE_RANK": "1"}])
     assert nodes.ok, nodes.tail()
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     assert [(r["node_rank"], r["local_rank"], r["world_size"]) for r in ranks] == [
