@@ -17,7 +17,6 @@ node's own. Rank 0 leaves a file there and every rank looks for it:
 
 from __future__ import annotations
 
-import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -103,8 +102,8 @@ class NodeAgreement(L.Callback):
                 "hydra.sweep.dir) on a filesystem they share, or set trainer.checkpoint_every=0 "
                 "(no checkpoints: a restarted job starts over)")
 
-    def writes_metrics_copy(self) -> bool:
+    def writes_metrics_copy(self, trainer: L.Trainer) -> bool:
         """This rank writes the job's metrics into its own node's job directory: it is its
         node's local rank 0 and does not see rank 0's (which has rank 0's file)."""
-        return (self.sees_rank0_dir is False and dist.get_rank() != 0
-                and int(os.environ.get("LOCAL_RANK", "0")) == 0)
+        return (self.sees_rank0_dir is False and trainer.global_rank != 0
+                and trainer.local_rank == 0)

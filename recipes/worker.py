@@ -108,7 +108,8 @@ def main(config_file: str) -> None:
         # The val loss reported (and minimised by hparams_search) is the final model's, also
         # when max_steps is not a multiple of val_check_interval (or below it: none ran).
         trainer.validate(module, datamodule=data, verbose=False)
-    metrics.finish(trainer, module, copy_here=nodes is not None and nodes.writes_metrics_copy())
+    metrics.finish(trainer, module,
+                   copy_here=nodes is not None and nodes.writes_metrics_copy(trainer))
     # Shut the group down while every rank is alive: left to interpreter exit, gloo's threads
     # can be torn down mid-flight and abort the process after a successful run.
     from zero_strategy.collectives import destroy_default_group
