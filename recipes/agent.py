@@ -25,7 +25,10 @@ import subprocess
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rendezvous import Rendezvous
 
 HERE = Path(__file__).resolve().parent
 
@@ -34,8 +37,11 @@ MODEL_CLASSES = {"gpt": "GPT2LMHeadModel", "bert": "BertForMaskedLM",
                  "resnet": "ResNetForImageClassification"}
 
 
-def torchrun_args(nproc: int, max_restarts: int, config_file: Path) -> list[str]:
-    return ["--standalone", "--nproc_per_node", str(nproc), "--max-restarts", str(max_restarts),
+def torchrun_args(nproc: int, max_restarts: int, config_file: Path,
+                  rendezvous: Rendezvous | None = None) -> list[str]:
+    """One node on its own (``--standalone``), or this node's part of a job across nodes."""
+    nodes = rendezvous.torchrun_args() if rendezvous is not None else ["--standalone"]
+    return [*nodes, "--nproc_per_node", str(nproc), "--max-restarts", str(max_restarts),
             str(HERE / "worker.py"), str(config_file)]
 
 
@@ -94,8 +100,9 @@ def _agent(argv: list[str], env: dict[str, str]) -> None:
     from torch.distributed.launcher.api import elastic_launch
 
     args = torchrun.parse_args(["--start-method", "fork", *argv])
-    # What torchrun's --standalone does before building its config.
-    args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.standalone:  # what torchrun's --standalone does before building its config
+        args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
     config, _, _ = torchrun.config_from_args(args)  # its command is the interpreter's
     try:
         elastic_launch(config=config, entrypoint=worker.main)(*args.training_script_args)

@@ -10,7 +10,9 @@ import time
 from pathlib import Path
 
 import agent
+import rendezvous
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 
@@ -43,6 +45,27 @@ def check_job(cfg: DictConfig) -> None:
                              f"trainer.limit_val_batches={cfg.trainer.limit_val_batches} runs "
                              "none; set it to 1 or more")
     check_strategy(cfg)
+    rendezvous.check_nodes(cfg.trainer)
+
+
+def job_number() -> int | None:
+    """The job's number in a multirun (the same on every node running the sweep), None for a
+    single run or outside Hydra."""
+    try:
+        hydra_cfg = HydraConfig.get()
+    except ValueError:
+        return None
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return None
+    return int(hydra_cfg.job.num)
+
+
+def save_config(cfg: DictConfig, path: Path) -> None:
+    """Written whole or not at all: with several nodes sharing the job directory, each node's
+    Hydra process writes the same file while the other's workers may be reading it."""
+    tmp = path.with_name(f".{path.name}.{rendezvous.LAUNCHER_ID.replace(':', '-')}")
+    OmegaConf.save(cfg, tmp, resolve=True)
+    os.replace(tmp, path)
 
 
 def check_strategy(cfg: DictConfig) -> None:
@@ -106,9 +129,9 @@ def run_job(cfg: DictConfig, out: Path | None = None) -> float:
     out = out or job_dir()
     out.mkdir(parents=True, exist_ok=True)
     config_file = out / "job.yaml"
-    OmegaConf.save(cfg, config_file, resolve=True)
+    save_config(cfg, config_file)
     nproc = int(cfg.trainer.devices)
-    env = {**os.environ, "ZS_JOB_T0": repr(started),
+    env = {**os.environ, "ZS_JOB_T0": repr(started), "ZS_LAUNCHER_ID": rendezvous.LAUNCHER_ID,
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
            # A restarted attempt must not share the launcher's store with the failed one:
@@ -119,10 +142,12 @@ def run_job(cfg: DictConfig, out: Path | None = None) -> float:
         env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator
     # A worker that dies (process or node lost) makes torch.distributed.run restart them all;
     # they resume from the job's last checkpoint (worker.py).
-    argv = agent.torchrun_args(nproc, int(cfg.trainer.max_restarts), config_file)
+    nodes = rendezvous.job_rendezvous(cfg.trainer, str(cfg.name), job_number())
+    argv = agent.torchrun_args(nproc, int(cfg.trainer.max_restarts), config_file, nodes)
     how = "forked from this preloaded process" if cfg.trainer.preload else "new interpreters"
-    print(f"[{cfg.name}] {nproc} processes: torch.distributed.run {' '.join(argv)} ({how})",
-          flush=True)
+    where = f" on this node of {nodes.nnodes}" if nodes is not None else ""
+    print(f"[{cfg.name}] {nproc} processes{where}: torch.distributed.run {' '.join(argv)} "
+          f"({how})", flush=True)
     if cfg.trainer.preload:
         agent.preload(OmegaConf.to_container(cfg.data), OmegaConf.to_container(cfg.model))
         code = agent.run_forked(argv, env, int(cfg.trainer.timeout_s))

@@ -247,22 +247,39 @@ class JobMetrics(L.Callback):
                 "first_loss": self.first_loss, "train_loss": self.train_loss,
                 "startup_s": self.startup, "pg_calls": dict(COUNTER.calls)}
 
-    def finish(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+    def finish(self, trainer: L.Trainer, module: L.LightningModule,
+               copy_here: bool = False) -> None:
+        """Rank 0 writes the job's record; with several nodes, it is sent to every rank, and
+        those told ``copy_here`` (their node's local rank 0 where rank 0's job directory is
+        not visible, nodes.py) write it into their own node's job directory."""
         ranks = [None] * trainer.world_size
         dist.all_gather_object(ranks, self._rank_record(trainer, module))
         digest = weights_digest(trainer, module)  # a collective under ZeRO: every rank
-        if trainer.global_rank != 0:
-            return
+        record = self._record(trainer, module, ranks, digest) if trainer.global_rank == 0 else None
+        if trainer.num_nodes > 1:
+            sent = [record]
+            dist.broadcast_object_list(sent, src=0)
+            record = sent[0]
+        if trainer.global_rank == 0 or copy_here:
+            tmp = self.out.with_name(f".{self.out.name}.rank{trainer.global_rank}")
+            tmp.write_text(json.dumps(record, indent=1))
+            os.replace(tmp, self.out)
+
+    def _record(self, trainer: L.Trainer, module: L.LightningModule, ranks: list[Any],
+                digest: str) -> dict[str, Any]:
+        """The job's measurements as rank 0 took them, with every rank's own record."""
         steps = max(1, trainer.global_step - WARMUP_STEPS)
         samples_per_s = self.samples / self.timed_s if self.timed_s else float("nan")
         seq = int(self.cfg.model.get("seq_len", 0) or 0) if self.cfg.model.name != "resnet" else 0
         cm = trainer.callback_metrics
         comm, comm_pg = self._comm_per_step(trainer, steps)
-        record = {
+        return {
             "name": self.cfg.name, **run_columns(trainer),
             "requested": {"strategy": self.cfg.strategy.name,
                           "precision": self.cfg.precision.name,
-                          "world_size": int(self.cfg.trainer.devices)},
+                          "world_size": int(self.cfg.trainer.devices)
+                          * int(self.cfg.trainer.num_nodes)},
+            "nodes": int(trainer.num_nodes), "launcher": os.environ.get("ZS_LAUNCHER_ID"),
             "model": module.label, "steps": trainer.global_step,
             "ms_per_batch": 1000 * self.timed_s / self.timed_batches if self.timed_batches
             else float("nan"),
@@ -274,9 +291,6 @@ class JobMetrics(L.Callback):
             "val_acc": float(cm["val_acc"]) if "val_acc" in cm else None,
             "num_params": ranks[0]["num_params"], "ranks": ranks, "weights_sha256": digest,
         }
-        tmp = self.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1))
-        os.replace(tmp, self.out)
 
 
 def weights_digest(trainer: L.Trainer, module: L.LightningModule) -> str:

@@ -43,6 +43,7 @@ def rows(sweep_dir: Path) -> list[dict[str, Any]]:
             "val_acc": m.get("val_acc"), "job": path.parent.name,
             "zero_options": m.get("zero_options"),
             "requested": m.get("requested", {}),
+            "nodes": m.get("nodes", 1), "launcher": m.get("launcher"),
         })
     return out
 
@@ -148,11 +149,30 @@ def plot(table: list[dict[str, Any]], sweep_dir: Path) -> Path:
     return out
 
 
+def report_writer(table: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """(launcher id, job) of the Hydra process that writes the report of a sweep whose jobs
+    ran on several nodes: the one that started rank 0 of its first such job. Every node's
+    Hydra process ends the same sweep at about the same time, and where they share the sweep
+    directory their reports would be written over each other. None: one node, it writes."""
+    for row in table:
+        if row.get("nodes", 1) > 1:
+            return row["launcher"], row["job"]
+    return None
+
+
 class SweepReport(Callback):
     """Hydra callback: after a multirun, compare its jobs side by side."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        written = write(Path(config.hydra.sweep.dir))
+        from rendezvous import LAUNCHER_ID
+
+        sweep_dir = Path(config.hydra.sweep.dir)
+        writer = report_writer(rows(sweep_dir))
+        if writer is not None and writer[0] != LAUNCHER_ID:
+            print(f"sweep report: left to the node that ran rank 0 of job {writer[1]} "
+                  f"(its Hydra process {writer[0]})")
+            return
+        written = write(sweep_dir)
         if written:
             print(f"sweep report: {', '.join(str(p) for p in written)}")
             print(written[0].read_text())

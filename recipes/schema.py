@@ -143,6 +143,15 @@ class OptimConf:
 class TrainerConf:
     accelerator: str = "cpu"
     devices: int = 2
+    """Processes per node."""
+    num_nodes: int = 1
+    """Machines the job spans, each running ``devices`` processes (world size devices x
+    num_nodes). Every node runs the same command; with more than one, ``rdzv_endpoint`` says
+    where they meet (recipes/rendezvous.py)."""
+    rdzv_endpoint: Optional[str] = None  # noqa: UP045
+    """HOST:PORT of the node serving torch.distributed.run's c10d rendezvous, the same on
+    every node; required when num_nodes > 1, refused when 1. A sweep's jobs meet on PORT and
+    PORT+1 in turn, each under an id derived from the job (its name and number)."""
     max_steps: int = 300
     accumulate_grad_batches: int = 1
     gradient_clip_val: float = 1.0

@@ -4,7 +4,8 @@ Builds the data, the model and the Lightning Trainer from the job's resolved con
 trains, checkpointing every ``trainer.checkpoint_every`` steps; a worker restarted after a
 failure resumes from the last checkpoint (resume.py). The final model is validated (once more
 after fit when the last periodic validation came before the last step). Rank 0 writes the
-job's measurements to ``metrics.json`` beside the config.
+job's measurements to ``metrics.json`` beside the config (with several nodes, also each node's
+local rank 0 whose node does not see rank 0's job directory: nodes.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from comm_count import COUNTER
 from metrics import JobMetrics
 from models import RecipeData, RecipeModule
+from nodes import NodeAgreement
 from resume import InjectedFault, PeriodicCheckpoint, last_checkpoint
 
 
@@ -71,6 +73,9 @@ def main(config_file: str) -> None:
     metrics.startup.update(worker_process=process_started() - t0, worker_main=entered - t0,
                            model_built=time.time() - t0)
     callbacks: list[L.Callback] = [metrics]
+    nodes = NodeAgreement(cfg, job) if int(cfg.trainer.num_nodes) > 1 else None
+    if nodes is not None:
+        callbacks.insert(0, nodes)  # its checks come before anything is written
     checkpoint = job / "checkpoints" / "last.ckpt"
     if int(cfg.trainer.checkpoint_every) > 0:
         callbacks.append(PeriodicCheckpoint(checkpoint, int(cfg.trainer.checkpoint_every),
@@ -86,6 +91,7 @@ def main(config_file: str) -> None:
         callbacks.append(RichProgressBar(leave=True))
     trainer = L.Trainer(
         accelerator=cfg.trainer.accelerator, devices=int(cfg.trainer.devices),
+        num_nodes=int(cfg.trainer.num_nodes),
         strategy=make_strategy(cfg, module), precision=cfg.precision.name,
         max_steps=int(cfg.trainer.max_steps),
         accumulate_grad_batches=int(cfg.trainer.accumulate_grad_batches),
@@ -102,7 +108,8 @@ def main(config_file: str) -> None:
         # The val loss reported (and minimised by hparams_search) is the final model's, also
         # when max_steps is not a multiple of val_check_interval (or below it: none ran).
         trainer.validate(module, datamodule=data, verbose=False)
-    metrics.finish(trainer, module)
+    metrics.finish(trainer, module,
+                   copy_here=nodes is not None and nodes.writes_metrics_copy(trainer))
     # Shut the group down while every rank is alive: left to interpreter exit, gloo's threads
     # can be torn down mid-flight and abort the process after a successful run.
     from zero_strategy.collectives import destroy_default_group
