@@ -64,7 +64,7 @@ def reference_training() -> tuple[list[float], list[float], dict[str, torch.Tens
 TOL = 1e-5
 
 
-def check_against_reference(out: Path, ranks: list[dict]) -> None:
+def check_against_reference(out: Path, ranks: list[dict], suffix: str = "") -> None:
     """Losses, gradient norms (the global one, on every rank) and final weights against one
     process on the global batch, at TOL."""
     losses, norms, weights, initial = reference_training()
@@ -74,7 +74,7 @@ def check_against_reference(out: Path, ranks: list[dict]) -> None:
         assert got == pytest.approx(loss, rel=TOL), f"step {step}"
         for r in ranks:
             assert r["norms"][step] == pytest.approx(norms[step], rel=TOL), (step, r["rank"])
-    final = torch.load(out / "weights.pt")
+    final = torch.load(out / f"weights{suffix}.pt")
     assert sorted(final) == sorted(weights)
     for key, ref in weights.items():
         assert (final[key] - ref).abs().max() <= TOL * ref.abs().max(), key
@@ -86,7 +86,8 @@ def test_engine_trains_across_two_nodes_as_one_process_on_the_global_batch(
         tmp_path: Path) -> None:
     """Stage 3 over 4 ranks on 2 nodes (torchrun agents, c10d rendezvous) against one process
     training on the concatenation of the 4 ranks' batches: losses, clipped gradient norms
-    (clipping engaged) and final weights; ranks 0-1 on one node, 2-3 on the other."""
+    (clipping engaged) and final weights; ranks 0-1 on one node, 2-3 on the other. Then the
+    same with hybrid sharding, one group per node."""
     out = tmp_path / "out"
     out.mkdir()
     port = free_port()
@@ -98,6 +99,19 @@ def test_engine_trains_across_two_nodes_as_one_process_on_the_global_batch(
     assert {r["world_size"] for r in ranks} == {4}
     check_against_reference(out, ranks)
     check_bytes_sent(ranks)
+    # Hybrid sharding, each node a group of 2: the same training, and between the nodes only
+    # the all-reduce of each rank's gradient shard, 2 (R-1)/R of it with R = 2 groups (ring
+    # volume), i.e. 4 bytes per element of this rank's shards.
+    hybrid = [json.loads((out / f"rank{r}-hybrid.json").read_text()) for r in range(4)]
+    check_against_reference(out, hybrid, "-hybrid")
+    for r in hybrid:
+        for sent in r["sent"]:
+            assert sent["across_groups"] == 4 * r["shard_numel"], sent
+            assert 0 < sent["within_groups"] < first_total(ranks), sent
+
+
+def first_total(ranks: list[dict]) -> int:
+    return ranks[0]["sent"][0]["total"]
 
 
 def check_bytes_sent(ranks: list[dict]) -> None:
