@@ -232,6 +232,22 @@ def test_recipe_sweep_on_two_nodes_restarts_and_matches_one_node(one_node: dict,
     assert f"(its Hydra process {jobs['zero3']['launcher']})" in other
 
 
+def test_recipe_job_with_one_shard_group_per_node(one_node: dict, tmp_path: Path) -> None:
+    """``strategy.zero.shard_group_size=2`` through the recipe launcher on 2 nodes of 2: the
+    engine's options read back from the run and the losses of the plain 4-rank job (fp32 sums
+    in another order, as for DDP above). What crosses between the nodes is asserted on the
+    engine's own counters in the first test of this file."""
+    job, port = tmp_path / "job", free_port(span=2)
+    common = ("strategy.zero.shard_group_size=2", f"hydra.run.dir={job}")
+    nodes = run_nodes([recipe(port, *common), recipe(port, *common)], tmp_path / "logs",
+                      timeout=300)
+    assert nodes.ok, nodes.tail()
+    m = metrics_of(job)
+    assert (m["world_size"], m["nodes"], m["zero_options"]) == (4, 2, "shard_group_size=2")
+    assert m["val_loss"] == pytest.approx(one_node["val_loss"], rel=1e-4)
+    assert m["train_loss"] == pytest.approx(one_node["train_loss"], rel=1e-4)
+
+
 def test_nodes_with_their_own_job_directories_each_get_the_metrics(one_node: dict,
                                                                    tmp_path: Path) -> None:
     """Each node writes into a directory of its own (no shared filesystem), checkpoints off:
