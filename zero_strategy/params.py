@@ -302,7 +302,7 @@ class ShardedParams(ParamStore):
         # another reuse one block, and the buffer's storage object stays this unit's for good.
         self.pool = placement.pool
         self.full = self.pool.take(layout.padded_numel, policy.compute_dtype)
-        self._full_nbytes = self.full.untyped_storage().nbytes()
+        self._full_nbytes = layout.padded_numel * policy.compute_dtype.itemsize
         self.params = params
         nan = torch.full((1,), float("nan"), dtype=policy.compute_dtype, device=placement.device)
         self._placeholders = [nan.expand(slot.shape) for slot in layout.slots]
