@@ -26,6 +26,9 @@ for _stage in (1, 2, 3):
              shard_group_size=2)
     register(f"hybrid_parity_mlp_stage{_stage}", parity, kind="mlp", stage=_stage,
              shard_group_size=2)
+# Groups of one rank: nothing sharded, every gradient all-reduced across the 4 (DDP's traffic).
+register("hybrid_parity_mlp_stage3_groups_of_1", parity, kind="mlp", stage=3,
+         shard_group_size=1)
 register("hybrid_parity_int8_stage3", parity, kind="mlp", stage=3, opt="sgd2", shard_group_size=2,
          quantize_gradients="int8")
 

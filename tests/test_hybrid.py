@@ -24,6 +24,10 @@ def test_hybrid_matches_ddp(world4: dict, kind: str, stage: int) -> None:
     assert_parity(check(world4[f"hybrid_parity_{kind}_stage{stage}"]))
 
 
+def test_groups_of_one_rank_match_ddp(world4: dict) -> None:
+    assert_parity(check(world4["hybrid_parity_mlp_stage3_groups_of_1"]))
+
+
 def test_hybrid_with_int8_gradients_tracks_ddp(world4: dict) -> None:
     """int8 reduce-scatter inside the groups, fp32 all-reduce across them, against DDP (SGD
     with momentum, 6 steps). Each reduced element is off by up to half its block's step
