@@ -210,23 +210,21 @@ class Communicator:
 
     def split(self, group_size: int) -> tuple[Communicator, Communicator]:
         """Hybrid sharding: (this rank's shard group of ``group_size`` consecutive ranks, its
-        replica group of the ranks at the same place in every shard group). Every rank calls
-        this (it creates every subgroup, in the same order everywhere)."""
+        replica group of the ranks at the same place in every shard group). Every rank of this
+        communicator calls it; each creates just its two groups, which only their members
+        synchronise on (ranks outside this communicator take no part)."""
         n = self.world_size
         if group_size > n or n % group_size:
             raise ValueError(f"shard_group_size={group_size} must divide the world size {n} "
                              f"(allowed: {[k for k in range(1, n + 1) if n % k == 0]})")
-        blocks = [self._peers[g : g + group_size] for g in range(0, n, group_size)]
-        columns = [self._peers[i::group_size] for i in range(group_size)]
-        me = self._peers[self.rank]
+        start = self.rank - self.rank % group_size
+        block = self._peers[start : start + group_size]
+        column = self._peers[self.rank % group_size :: group_size]
         timeout = timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None
-        mine = []
-        for layout in (blocks, columns):
-            groups = [dist.new_group(ranks, backend=self.backend, timeout=timeout)
-                      for ranks in layout]
-            mine.append(next(g for g, ranks in zip(groups, layout) if me in ranks))
+        groups = [dist.new_group(ranks, backend=self.backend, timeout=timeout,
+                                 use_local_synchronization=True) for ranks in (block, column)]
         shards, replicas = (Communicator(g, timeout=self.timeout_s, step=self._step)
-                            for g in mine)
+                            for g in groups)
         for comm in (shards, replicas):
             comm.device = self.device
             comm._scratch = self._scratch
