@@ -109,3 +109,35 @@ def test_int8_stage3_training_tracks_fp32_with_a_third_of_the_bytes(
         expected = (sharded * 3 * int8 + (1 - sharded) * (4 + int8)) / (
             sharded * 3 * 4 + (1 - sharded) * 2 * 4)
         assert ratio == pytest.approx(expected, rel=0.05), (ratio, expected)
+
+
+def test_int8_codec_works_chunk_by_chunk_like_a_whole_tensor_reference() -> None:
+    """The codec goes a chunk at a time (``quantize.CHUNK``); a size of two chunks and a
+    partial block must give exactly what one pass over the whole tensor gives, in every
+    chunk: the same int8 values and scales, decodes and sums."""
+    from zero_strategy import quantize as q
+
+    n = 2 * q.CHUNK + 300
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(n, generator=gen) * torch.linspace(0.01, 100.0, n)
+    x[q.CHUNK : q.CHUNK + q.BLOCK] = 0.0  # an all-zero block: scale 0, values 0
+    nb = q.blocks(n)
+    padded = torch.zeros(nb * q.BLOCK)
+    padded[:n] = x
+    rows = padded.view(nb, q.BLOCK)
+    scale = rows.abs().amax(1)  # the whole-tensor reference, one block per row
+    multiplier = torch.where(scale > 0, 127.0 / scale, torch.zeros_like(scale))
+    want = (rows * multiplier.unsqueeze(1)).round().to(torch.int8)
+    payload, scales = torch.empty(nb * q.BLOCK, dtype=torch.int8), torch.empty(nb)
+    scratch = torch.empty(q.scratch_numel(n))
+    assert scratch.numel() == q.CHUNK, "scratch is one chunk, not the tensor's size"
+    q.encode(x, payload, scales, scratch)
+    assert torch.equal(payload.view(nb, -1), want) and torch.equal(scales, scale / 127.0)
+    decoded = torch.empty(n)
+    q.decode(payload, scales, decoded)
+    assert torch.equal(decoded, (want.float() * (scale / 127.0).unsqueeze(1)).view(-1)[:n])
+    total = torch.ones(n)
+    q.decode_add(payload, scales, total, scratch)
+    reference = torch.ones(nb * q.BLOCK).view(nb, -1).addcmul_(want.float(),
+                                                              (scale / 127.0).unsqueeze(1))
+    assert torch.equal(total, reference.view(-1)[:n])
