@@ -111,11 +111,17 @@ def test_int8_stage3_training_tracks_fp32_with_a_third_of_the_bytes(
         assert ratio == pytest.approx(expected, rel=0.05), (ratio, expected)
 
 
-def test_int8_codec_works_chunk_by_chunk_like_a_whole_tensor_reference() -> None:
-    """The codec goes a chunk at a time (``quantize.CHUNK``); a size of two chunks and a
-    partial block must give exactly what one pass over the whole tensor gives, in every
-    chunk: the same int8 values and scales, decodes and sums."""
+@pytest.mark.parametrize("passes", ["chunked", "whole"])
+def test_int8_codec_works_chunk_by_chunk_like_a_whole_tensor_reference(
+        passes: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host's codec goes a chunk at a time (``quantize.CHUNK``), an accelerator's in one
+    pass ("whole", forced here on the host); on a size of two chunks and a partial block
+    both must give exactly what the whole-tensor reference gives, in every chunk: the same
+    int8 values and scales, decodes and sums."""
     from zero_strategy import quantize as q
+
+    if passes == "whole":
+        monkeypatch.setattr(q, "chunk_numel", lambda device: None)
 
     n = 2 * q.CHUNK + 300
     gen = torch.Generator().manual_seed(5)
@@ -129,8 +135,9 @@ def test_int8_codec_works_chunk_by_chunk_like_a_whole_tensor_reference() -> None
     multiplier = torch.where(scale > 0, 127.0 / scale, torch.zeros_like(scale))
     want = (rows * multiplier.unsqueeze(1)).round().to(torch.int8)
     payload, scales = torch.empty(nb * q.BLOCK, dtype=torch.int8), torch.empty(nb)
-    scratch = torch.empty(q.scratch_numel(n))
-    assert scratch.numel() == q.CHUNK, "scratch is one chunk, not the tensor's size"
+    scratch = torch.empty(q.scratch_numel(n, x.device))
+    # A host's scratch is one chunk, not the tensor's size.
+    assert scratch.numel() == (q.CHUNK if passes == "chunked" else nb * q.BLOCK)
     q.encode(x, payload, scales, scratch)
     assert torch.equal(payload.view(nb, -1), want) and torch.equal(scales, scale / 127.0)
     decoded = torch.empty(n)
@@ -141,3 +148,12 @@ def test_int8_codec_works_chunk_by_chunk_like_a_whole_tensor_reference() -> None
     reference = torch.ones(nb * q.BLOCK).view(nb, -1).addcmul_(want.float(),
                                                               (scale / 127.0).unsqueeze(1))
     assert torch.equal(total, reference.view(-1)[:n])
+
+
+def test_int8_codec_takes_one_pass_on_an_accelerator() -> None:
+    from zero_strategy import quantize as q
+
+    n = 3 * q.CHUNK + 5
+    assert q.scratch_numel(n, torch.device("cuda")) == q.blocks(n) * q.BLOCK
+    assert q.scratch_numel(n, torch.device("cpu")) == q.CHUNK
+    assert q.scratch_numel(7, torch.device("cpu")) == q.BLOCK

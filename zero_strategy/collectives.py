@@ -420,7 +420,7 @@ class Communicator:
         take, give = self._lender()
         payload = take(n * nb * quantize.BLOCK, torch.int8).view(n, -1)
         scales = take(n * nb, torch.float32).view(n, -1)
-        scratch = take(quantize.scratch_numel(shard.numel()), torch.float32)
+        scratch = take(quantize.scratch_numel(shard.numel(), shard.device), torch.float32)
         quantize.encode(shard, payload[self.rank], scales[self.rank], scratch)
         give(scratch)
         self._count("all_gather", (n - 1) * (payload[0].nbytes + scales[0].nbytes))
@@ -451,7 +451,7 @@ class Communicator:
         take, give = self._lender()
         sent = [take(n * nb * quantize.BLOCK, torch.int8), take(n * nb, torch.float32)]
         got = [take(t.numel(), t.dtype) for t in sent]
-        scratch = take(quantize.scratch_numel(k), torch.float32)
+        scratch = take(quantize.scratch_numel(k, output.device), torch.float32)
         for r in range(n):
             if r != self.rank:  # this rank's row is not sent: its slice stays exact
                 quantize.encode(pieces[r], sent[0].view(n, -1)[r], sent[1].view(n, -1)[r],
@@ -463,7 +463,7 @@ class Communicator:
 
         def finish() -> None:
             total = output if output.dtype == torch.float32 else take(k, torch.float32)
-            values = take(quantize.scratch_numel(k), torch.float32)
+            values = take(quantize.scratch_numel(k, output.device), torch.float32)
             total.copy_(pieces[self.rank])
             for r in range(n):
                 if r != self.rank:
