@@ -147,13 +147,21 @@ class ScatteredFullGrads(GradStore):
         reduced = self.wait()
         assert reduced is not None
         self._across_replicas(reduced)
-        self.buffer.zero_()
+        lo, hi = self.layout.shard_bounds(self.rank)
+        self.buffer[:lo].zero_()  # the owned part is overwritten: no pass over it
+        self.buffer[hi:].zero_()
         self.grad_shard.copy_(reduced)
         self.pool.give(reduced)
         self._holds_average = True
 
     def zero(self) -> None:
-        self.buffer.zero_()
+        # Holding the average, the buffer is zero outside the shard (``finish_reduce`` made it
+        # so and nothing was added since): one pass over 1/N instead of the whole buffer,
+        # every step.
+        if self._holds_average:
+            self.grad_shard.zero_()
+        else:
+            self.buffer.zero_()
         self._holds_average = False
 
     def held_tensors(self) -> list[torch.Tensor]:
