@@ -15,6 +15,8 @@ arithmetic itself.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 BLOCK = 256
@@ -49,7 +51,7 @@ def scratch_numel(numel: int, device: torch.device) -> int:
     return whole if chunk is None else min(whole, chunk)
 
 
-def _chunks(numel: int, device: torch.device):
+def _chunks(numel: int, device: torch.device) -> Iterator[tuple[int, int]]:
     step = chunk_numel(device) or max(numel, 1)
     for start in range(0, numel, step):
         yield start, min(numel, start + step)
