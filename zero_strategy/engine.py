@@ -541,7 +541,7 @@ class ZeroEngine:
         for comm in comms:
             for op, n in comm.bytes_sent.items():
                 out[op] = out.get(op, 0) + n
-        out["total"] = sum(c.snapshot()["total"] for c in comms)
+        out["total"] = sum(out.values())
         if self.replicas is not None:
             out["within_groups"] = self.shards.snapshot()["total"]
             out["across_groups"] = self.replicas.snapshot()["total"]

@@ -125,8 +125,8 @@ class ScatteredFullGrads(GradStore):
                  pool: BufferPool, int8: bool = False, replicas: Communicator | None = None):
         super().__init__(layout, rank, dtype, device, pool, int8, replicas)
         self.buffer = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
-        lo, hi = layout.shard_bounds(rank)
-        self.grad_shard = self.buffer[lo:hi]
+        self._bounds = layout.shard_bounds(rank)
+        self.grad_shard = self.buffer[self._bounds[0] : self._bounds[1]]
         self._holds_average = False
         self._world_size = 1
 
@@ -147,7 +147,7 @@ class ScatteredFullGrads(GradStore):
         reduced = self.wait()
         assert reduced is not None
         self._across_replicas(reduced)
-        lo, hi = self.layout.shard_bounds(self.rank)
+        lo, hi = self._bounds
         self.buffer[:lo].zero_()  # the owned part is overwritten: no pass over it
         self.buffer[hi:].zero_()
         self.grad_shard.copy_(reduced)
