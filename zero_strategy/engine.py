@@ -72,6 +72,7 @@ class ZeroEngine:
         materializer = Materializer(model, self.device, param_init_fn) if has_meta(model) else None
         self.plan = make_plan(self.config, self.shards.world_size)
         optimizer = _as_one_optimizer(optimizer)
+        existing = _existing_states(optimizer)
         managed, group_of = _managed_parameters(model, optimizer)
         for part in optimizer_parts(optimizer):  # refusals before anything is built
             placement(part, self.config.elementwise_optimizer)
@@ -102,6 +103,7 @@ class ZeroEngine:
         self.optimizer_patches = [
             UserOptimizerPatch(part.user, self._part_state_dict(k), self._part_loader(k))
             for k, part in enumerate(self.optimizer.parts)]
+        self._take_over_states(existing)
         self.scaler = LossScaler(self.config.loss_scale) if self.plan.policy.scales_loss else None
         self._unscaled = False
         self._norm: torch.Tensor | None = None
@@ -133,6 +135,16 @@ class ZeroEngine:
                     t.data = t.data.to(compute)
         if tensors:
             self.comm.broadcast_coalesced(tensors)
+
+    def _take_over_states(self, existing: dict[int, dict[str, Any]]) -> None:
+        """State the user's optimizers held before wrapping (``load_state_dict`` of a plain
+        run, steps taken without the engine) moves into the shards (or to the owners), as if
+        loaded after wrapping; the user's objects then hold none, as for every wrapped
+        optimizer (the pieces live in the inner ones)."""
+        for k, state_dict in existing.items():
+            part = self.optimizer.parts[k]
+            load_full_state_dict(part, self.param_names, state_dict)
+            part.user.state.clear()
 
     # ------------------------------------------------------------------ training API
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -564,6 +576,13 @@ def _as_one_optimizer(optimizer: Any) -> torch.optim.Optimizer:
         return optimizer[0] if len(optimizer) == 1 else CombinedOptimizer(optimizer)
     raise TypeError(f"optimizer must be a torch.optim.Optimizer or a list of them, got "
                     f"{type(optimizer).__name__}")
+
+
+def _existing_states(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+    """Each of the user's optimizers that already holds state, in torch's format, read before
+    the engine replaces their ``state_dict``."""
+    return {k: part.state_dict() for k, part in enumerate(optimizer_parts(optimizer))
+            if len(part.state)}
 
 
 def _single_device(model: nn.Module, wanted: torch.device | str | None,

@@ -185,12 +185,14 @@ def load_full_state_dict(part: ShardPart | OwnerPart, names: dict[int, str],
     owner = isinstance(part, OwnerPart)
     records: Records = {}
     tensors: dict[tuple[str, str], torch.Tensor] = {}
+    per_element = _per_element_keys(state_dict["state"].values())
     for index, entry in state_dict["state"].items():
         p = params[int(index)]
         name = names[id(p)]
         record = records.setdefault(name, {"scalars": {}, "tensors": [], "whole": {}})
         for key, value in entry.items():
-            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            if not isinstance(value, torch.Tensor) or (value.dim() == 0 and (
+                    p.dim() > 0 or key not in per_element)):
                 record["scalars"][key] = float(value)
             elif owner:
                 record["whole"][key] = {"shape": list(value.shape)}
@@ -209,6 +211,21 @@ def load_full_state_dict(part: ShardPart | OwnerPart, names: dict[int, str],
         return tensors[(name, key)] if lo is None else tensors[(name, key)][lo:hi]
 
     load_records_part(part, records, read)
+
+
+SCALAR_KEYS = frozenset({"step", "mu_product", "eta", "mu"})
+"""State torch's optimizers keep as one number per parameter (0-dim tensors)."""
+
+
+def _per_element_keys(entries: Any) -> set[str]:
+    """Keys holding one value per parameter element. A 0-dim parameter's per-element state
+    (Adam's ``exp_avg`` of a learnable temperature) is 0-dim like a step count, so a key is
+    per-element when any parameter holds it with dimensions, or when it is not one of the
+    counters torch keeps per parameter."""
+    keys = {k for entry in entries for k, v in entry.items() if isinstance(v, torch.Tensor)}
+    shaped = {k for entry in entries for k, v in entry.items()
+              if isinstance(v, torch.Tensor) and v.dim() > 0}
+    return shaped | {k for k in keys if k not in SCALAR_KEYS}
 
 
 def load_records_part(part: ShardPart | OwnerPart, records: Records, read: Reader) -> None:

@@ -304,7 +304,8 @@ class ShardedParams(ParamStore):
         self.full = self.pool.take(layout.padded_numel, policy.compute_dtype)
         self._full_nbytes = layout.padded_numel * policy.compute_dtype.itemsize
         self.params = params
-        nan = torch.full((1,), float("nan"), dtype=policy.compute_dtype, device=placement.device)
+        # 0-dim, so it expands to every shape, a 0-dim parameter's () included.
+        nan = torch.full((), float("nan"), dtype=policy.compute_dtype, device=placement.device)
         self._placeholders = [nan.expand(slot.shape) for slot in layout.slots]
         # Views of the buffer made once: they stay valid while its storage is freed and
         # re-allocated in place, so a gather only re-points the parameters at them.

@@ -79,9 +79,14 @@ def encode(x: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
 
 def _encode_rows(rows: torch.Tensor, out: torch.Tensor, scales: torch.Tensor,
                  scratch: torch.Tensor) -> None:
-    # The largest magnitude per row without a temporary of the rows' size.
-    torch.amax(rows, dim=1, out=scales)
-    torch.maximum(scales, torch.amin(rows, dim=1).neg_(), out=scales)
+    # The largest magnitude per row without a temporary of the rows' size. 16-bit rows (bf16
+    # or fp16 weights and gradients) reduce in their own dtype (exact: a max rounds nothing)
+    # into one small tensor per row set, converted to the fp32 scales once.
+    if rows.dtype == scales.dtype:
+        torch.amax(rows, dim=1, out=scales)
+    else:
+        scales.copy_(torch.amax(rows, dim=1))
+    torch.maximum(scales, torch.amin(rows, dim=1).to(scales.dtype).neg_(), out=scales)
     # An all-zero row has scale 0 and multiplier 0 (its values are 0 either way). Scaled so the
     # largest magnitude maps to 127, no value rounds outside [-127, 127].
     multiplier = torch.where(scales > 0, 127.0 / scales, torch.zeros_like(scales))
