@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 import torch.distributed as dist
 from anchors import anchor_label, anchor_offload, census, full_state_dict
 from comm_count import COUNTER
@@ -301,5 +302,7 @@ def weights_digest(trainer: L.Trainer, module: L.LightningModule) -> str:
     digest = hashlib.sha256()
     for key in sorted(state):
         digest.update(key.encode())
-        digest.update(state[key].detach().cpu().contiguous().numpy().tobytes())
+        # Raw bytes through uint8: numpy has no bfloat16 (a bf16_true job's weights).
+        raw = state[key].detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        digest.update(raw.numpy().tobytes())
     return digest.hexdigest()

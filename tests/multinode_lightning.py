@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.models import STAGE3, loss_of, make_model, make_optimizer  # noqa: E402
 from tests.multinode_engine import CLIP, STEPS, global_batches, my_part  # noqa: E402
+from zero_strategy.collectives import group_timeout  # noqa: E402
 from zero_strategy.lightning import ZeroStrategy  # noqa: E402
 
 
@@ -79,7 +80,10 @@ def main(out: Path) -> None:
     engine = trainer.strategy.engine
     record = {"rank": trainer.global_rank, "node_rank": trainer.node_rank,
               "local_rank": trainer.local_rank, "world_size": trainer.world_size,
-              "losses": module.losses, "norms": module.norms}
+              "losses": module.losses, "norms": module.norms,
+              # The group ZeroStrategy created: Lightning's own barriers and broadcasts wait
+              # this long, so it must be the engine's bound, not gloo's 30 minutes.
+              "group_timeout": group_timeout(None), "engine_timeout": engine.comm.timeout_s}
     full = engine.full_state_dict()  # a collective: every rank
     if trainer.global_rank == 0:
         torch.save({k.removeprefix("model."): v for k, v in full.items()}, out / "weights.pt")

@@ -178,3 +178,27 @@ def stalled_peer() -> dict:
     seconds = time.perf_counter() - start
     os.kill(pids[1], signal.SIGCONT)
     return {"raised": error, "seconds": seconds}
+
+
+@scenario
+def stalled_peer_group_timeout() -> dict:
+    """As ``stalled_peer``, but the bound is the one the user gave their process group (2 s)
+    while the engine keeps ZeroConfig's default (600 s): the stricter one applies."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=2))
+    pids: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    engine = _engine(stage=2, group=group)
+    _train(engine, 1, seed=7)
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # until rank 0 sends SIGCONT
+        return {"continued": True}
+    start = time.perf_counter()
+    try:
+        _train(engine, 1, seed=8)
+        error = None
+    except CollectiveTimeout as e:
+        error = str(e)
+    seconds = time.perf_counter() - start
+    os.kill(pids[1], signal.SIGCONT)
+    return {"raised": error, "seconds": seconds, "bound": engine.comm.timeout_s}

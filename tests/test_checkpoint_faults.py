@@ -181,6 +181,18 @@ def test_stalled_peer_raises_within_the_timeout_naming_collective_and_step(world
     assert "at step 1 on rank 0 of 2" in stalled["raised"]
 
 
+def test_a_process_groups_own_shorter_timeout_is_honoured(world: tuple) -> None:
+    # init_process_group/new_group(timeout=2 s) beside ZeroConfig's default 600 s: the
+    # survivor must be told within seconds, not after ten minutes (before the fix it waited
+    # for ZeroConfig.timeout and was still blocked a minute after the fault).
+    results, _ = world
+    stalled, resumed = check(results["stalled_peer_group_timeout"])
+    assert resumed == {"continued": True}
+    assert stalled["bound"] == 2.0
+    assert stalled["raised"] is not None and stalled["seconds"] < 6, stalled
+    assert "within 2 s (the process group's timeout)" in stalled["raised"], stalled["raised"]
+
+
 def test_timeout_defaults_and_every_way_to_set_it(tmp_path: Path) -> None:
     assert zs.ZeroConfig().timeout == 600.0 <= timedelta(minutes=10).total_seconds()
     with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):

@@ -160,6 +160,8 @@ def test_lightning_trainer_with_num_nodes_2_on_its_own_launcher(tmp_path: Path) 
     assert [(r["node_rank"], r["local_rank"], r["world_size"]) for r in ranks] == [
         (0, 0, 4), (0, 1, 4), (1, 0, 4), (1, 1, 4)]
     check_against_reference(out, ranks)
+    # ZeroStrategy creates the group with ZeroConfig.timeout (600 s), not gloo's 30 minutes.
+    assert all(r["group_timeout"] == r["engine_timeout"] == 600.0 for r in ranks), ranks
 
 
 # ------------------------------------------------------------------------------ the recipes

@@ -113,6 +113,19 @@ def destroy_default_group() -> None:
         dist.destroy_process_group()
 
 
+def group_timeout(group: dist.ProcessGroup | None) -> float | None:
+    """Seconds the group (default: the world) was created with, ``init_process_group``'s or
+    ``new_group``'s ``timeout=`` or the backend's default; None where the backend does not
+    say (torch keeps it in each backend's options)."""
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None
+
+
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
@@ -198,9 +211,14 @@ class Communicator:
         self.world_size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
         self.device = default_device(self.backend)
-        self.timeout_s = timeout
-        self._wait_timeout = (timedelta(seconds=timeout)
-                              if timeout is not None and self.backend == "gloo" else None)
+        own = group_timeout(group)
+        # The stricter of the engine's bound and the one the user gave their group: a group
+        # created with timeout=10 s means 10 s, not ZeroConfig's default.
+        self.timeout_s = min((t for t in (timeout, own) if t is not None), default=None)
+        stricter = own is not None and (timeout is None or own < timeout)
+        self._timeout_source = "the process group's timeout" if stricter else "ZeroConfig.timeout"
+        self._wait_timeout = (timedelta(seconds=self.timeout_s)
+                              if self.timeout_s is not None and self.backend == "gloo" else None)
         self._step = step
         self.bytes_sent: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
@@ -286,7 +304,7 @@ class Communicator:
             except AttributeError:  # raised while the engine is still being built
                 where = "while building the engine"
         timed_out = "timed out" in str(cause).lower() or "timeout" in str(cause).lower()
-        what = (f"did not complete within {self.timeout_s:g} s (ZeroConfig.timeout)"
+        what = (f"did not complete within {self.timeout_s:g} s ({self._timeout_source})"
                 if timed_out and self.timeout_s is not None else "failed")
         kind = CollectiveTimeout if timed_out else CollectiveError
         first_line = (str(cause).splitlines() or [""])[0][:200]
