@@ -23,9 +23,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import lifetime
 
 if TYPE_CHECKING:
     from rendezvous import Rendezvous
@@ -65,32 +68,61 @@ def preload(data_cfg: dict[str, Any], model_cfg: dict[str, Any]) -> None:
 
 
 def run_subprocess(argv: list[str], env: dict[str, str], timeout_s: int) -> int | str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", *argv]
-    try:
-        return subprocess.run(cmd, env=env, timeout=timeout_s).returncode
-    except subprocess.TimeoutExpired:
-        return "timeout"
+    """torch.distributed.run as its own interpreter; Ctrl-C or SIGTERM to this process stop
+    it (and it its workers), and it dies with this process (``lifetime.py``)."""
+    parent = os.getpid()
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv], env=env,
+                            preexec_fn=lambda: lifetime.die_with_parent(signal.SIGTERM, parent))
+    return _wait(proc.pid, lambda: proc.poll() is not None, lambda t: _poll(proc, t),
+                 lambda: proc.send_signal(signal.SIGTERM), proc.kill, timeout_s,
+                 lambda: proc.returncode)
 
 
 def run_forked(argv: list[str], env: dict[str, str], timeout_s: int) -> int | str:
     """torch.distributed.run's agent in a forked child (its own session, so a timeout ends
-    it and its workers together), starting the workers by fork with worker.main."""
-    agent = multiprocessing.get_context("fork").Process(target=_agent, args=(argv, env),
-                                                        name="recipes-agent")
+    it and its workers together), starting the workers by fork with worker.main. Ctrl-C or
+    SIGTERM to this process stop the job; the agent dies with this process (``lifetime.py``)."""
+    agent = multiprocessing.get_context("fork").Process(
+        target=_agent, args=(argv, env, os.getpid()), name="recipes-agent")
     agent.start()
-    agent.join(timeout_s)
-    if agent.exitcode is None:
-        try:
-            os.killpg(agent.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        agent.join()
-        return "timeout"
-    return agent.exitcode
+    assert agent.pid is not None
+    pid = agent.pid
+    return _wait(pid, lambda: agent.exitcode is not None, agent.join,
+                 lambda: os.kill(pid, signal.SIGTERM),
+                 lambda: lifetime.signal_group(pid, signal.SIGKILL), timeout_s,
+                 lambda: agent.exitcode)
 
 
-def _agent(argv: list[str], env: dict[str, str]) -> None:
+def _poll(proc: subprocess.Popen, seconds: float) -> None:
+    try:
+        proc.wait(seconds)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _wait(pid: int, done: Any, wait: Any, stop: Any, kill: Any, timeout_s: int,
+          exitcode: Any) -> int | str:
+    """Wait for the agent (``pid``): at most ``timeout_s`` ("timeout": killed), or, after
+    Ctrl-C/SIGTERM here, ``lifetime.GRACE_S`` for its orderly stop (then killed); then this
+    process stops as the signal asks."""
+    deadline = time.monotonic() + timeout_s
+    with lifetime.stop_on_signals(stop) as stopping:
+        while not done():
+            if time.monotonic() > deadline or stopping.overdue():
+                kill()
+                wait(None)
+                if not stopping:
+                    return "timeout"
+                break
+            wait(0.5)
+    stopping.finish()
+    return exitcode()
+
+
+def _agent(argv: list[str], env: dict[str, str], parent: int) -> None:
     os.setsid()
+    # SIGTERM, which the agent handles by stopping its workers, when the launcher dies.
+    lifetime.die_with_parent(signal.SIGTERM, parent)
     os.environ.clear()
     os.environ.update(env)
     import uuid

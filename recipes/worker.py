@@ -11,6 +11,7 @@ local rank 0 whose node does not see rank 0's job directory: nodes.py).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 import warnings
@@ -24,6 +25,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from comm_count import COUNTER
+from lifetime import die_with_parent
 from metrics import JobMetrics
 from models import RecipeData, RecipeModule
 from nodes import NodeAgreement
@@ -58,6 +60,8 @@ def process_started() -> float:
 
 def main(config_file: str) -> None:
     entered = time.time()
+    # A worker whose agent is gone (killed outright) has nobody to wait for it or restart it.
+    die_with_parent(signal.SIGKILL)
     COUNTER.install()  # before any strategy holds a reference to a collective
     cfg = OmegaConf.load(config_file)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
