@@ -33,6 +33,12 @@ def check_job(cfg: DictConfig) -> None:
                          f"{list(schema.PRECISIONS)}")
     if cfg.optim.name not in schema.OPTIMIZERS:
         raise ValueError(f"optim.name={cfg.optim.name!r} is not one of {list(schema.OPTIMIZERS)}")
+    readable = schema.DATA_FOR_MODEL.get(str(cfg.model.name), ())
+    if cfg.data.kind not in readable:
+        raise ValueError(
+            f"data.kind={cfg.data.kind!r} with model={cfg.model.name}: the model reads data of "
+            f"kind {list(readable)}; choose a data option of that kind (data={cfg.model.name} "
+            "is the matching one, the default)")
     metric = cfg.get("optimized_metric")
     if metric is not None:
         if metric not in schema.OBJECTIVES:

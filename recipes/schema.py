@@ -120,6 +120,11 @@ class PrecisionConf:
 
 OPTIMIZERS = ("adamw", "muon")
 
+DATA_FOR_MODEL = {"gpt": ("causal", "masked", "random"), "bert": ("causal", "masked", "random"),
+                  "resnet": ("digits",)}
+"""The data kinds each model reads: the text models take token ids of any kind, the image
+model the digits."""
+
 OBJECTIVES = ("val_loss", "val_acc", "train_loss")
 """What ``optimized_metric`` may name: metrics.json fields measured on the final model
 (``val_acc`` for model=resnet only)."""
