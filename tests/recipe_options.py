@@ -1,6 +1,7 @@
 """Every value of every config group of the recipes, composed with the defaults and run as a
 real 2-process job for 2 steps on ``model.size=tiny`` (or refused before any worker starts),
-for tests/test_recipe_options.py. One interpreter composes with Hydra's compose API and runs
+for tests/test_recipe_options.py; options that compose to the same job (each group's
+default) run it once. One interpreter composes with Hydra's compose API and runs
 the jobs one after another through the recipes' own ``launch.run_job`` (preloaded, forked
 workers): a Hydra process per group would spend most of the time starting.
 
@@ -36,7 +37,8 @@ def main(out: Path) -> None:
     from omegaconf import OmegaConf
 
     schema.register()
-    results = []
+    results: list[dict] = []
+    ran: dict[str, dict] = {}
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         for group, option in options():
             record: dict = {"group": group, "option": option}
@@ -45,6 +47,11 @@ def main(out: Path) -> None:
                 launch.check_job(cfg)
             except Exception as e:  # refused at compose time: the test reads the message
                 record.update(status="refused", message=f"{type(e).__name__}: {e}")
+                results.append(record)
+                continue
+            key = OmegaConf.to_yaml(cfg, resolve=True)
+            if key in ran:  # the same job as another option's (a group's default): once
+                record.update({**ran[key], "group": group, "option": option})
                 results.append(record)
                 continue
             job = out / f"{group}-{option}"
@@ -60,6 +67,7 @@ def main(out: Path) -> None:
             except Exception:  # a job that fails once its workers run: the test fails it
                 record.update(status="failed", message=traceback.format_exc()[-3000:])
             results.append(record)
+            ran[key] = record
             (out / "options.json").write_text(json.dumps(results, indent=1))
 
 

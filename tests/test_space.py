@@ -14,9 +14,9 @@ import pytest
 
 from tests.space import case_name, cases, run_cases
 
-# Cases per world size on CI's fixed seed: about a minute of the suite on 2 cores (N=3 runs
-# three processes on them, so fewer).
-CI_CASES = {1: 80, 2: 80, 3: 40}
+# Cases per world size on CI's fixed seed: under a minute of the suite on 2 cores (N=3 runs
+# three processes on them, so fewer). The long mode runs thousands.
+CI_CASES = {1: 60, 2: 60, 3: 30}
 CI_SEED = 0
 
 
