@@ -160,34 +160,21 @@ def stalled_peer() -> dict:
     raise within ZeroConfig.timeout naming the collective and the step. Rank 0 then lets
     rank 1 continue (SIGCONT). In its own group with a short timeout of its own, so the
     abandoned collective dies there and the harness's group stays usable."""
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=4))
-    pids: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(pids, os.getpid())
-    engine = _engine(stage=2, group=group, timeout=1.5)
-    _train(engine, 1, seed=7)
-    dist.barrier()
-    if dist.get_rank() == 1:
-        os.kill(os.getpid(), signal.SIGSTOP)  # until rank 0 sends SIGCONT
-        return {"continued": True}
-    start = time.perf_counter()
-    try:
-        _train(engine, 1, seed=8)
-        error = None
-    except CollectiveTimeout as e:
-        error = str(e)
-    seconds = time.perf_counter() - start
-    os.kill(pids[1], signal.SIGCONT)
-    return {"raised": error, "seconds": seconds}
+    return _stall(group_timeout=4, timeout=1.5)
 
 
 @scenario
 def stalled_peer_group_timeout() -> dict:
     """As ``stalled_peer``, but the bound is the one the user gave their process group (2 s)
     while the engine keeps ZeroConfig's default (600 s): the stricter one applies."""
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=2))
+    return _stall(group_timeout=2)
+
+
+def _stall(group_timeout: float, **config: Any) -> dict:
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=group_timeout))
     pids: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(pids, os.getpid())
-    engine = _engine(stage=2, group=group)
+    engine = _engine(stage=2, group=group, **config)
     _train(engine, 1, seed=7)
     dist.barrier()
     if dist.get_rank() == 1:

@@ -88,6 +88,53 @@ REGRESSIONS = [
                    "config": {"stage": 1, "precision": "bf16-mixed",
                               "reduce_dtype": "compute"}}, accum=3),
 ]
+# Cases the long mode found, kept as it generated them (bounded at 20 s a collective, so one
+# that hangs fails in seconds rather than after the default 120):
+FOUND = [
+    # Stage 3 with experts a rank runs only some of: which comes first on a rank, a unit's
+    # reduction or the next unit's gather in backward, depends on its data; a rank waiting
+    # for a reduction its peer had not launched, while the peer waited for a gather, hung
+    # both (runtime.MAX_INFLIGHT_REDUCTIONS).
+    {"seed": 20093, "world": 2, "name": "stage3_experts_reduce_vs_gather_order",
+     "model": {"seed": 569, "width": 6, "vocab": 7,
+               "parts": ["direct", "layernorm", "experts", "experts"], "tied": False},
+     "config": {"stage": 3, "timeout": 20.0, "precision": "bf16-mixed",
+                "reduce_dtype": "compute", "bucket_numel": 7, "overlap_param_gather": True,
+                "offload_optimizer": False, "param_persistence_threshold": 0,
+                "unit_numel": 1, "prefetch": False, "offload_params": False,
+                "quantize_weights": "int8", "unit_leaf_classes": ["Experts"]},
+     "optimizer": {"name": "rmsprop", "groups": 1, "scheduler": "step",
+                   "only_trainable": False},
+     "steps": 4, "accum": 1, "clip": None, "op": None},
+    # An exception in backward with experts: ranks had launched different numbers of
+    # reductions when it struck, and zero_grad() waited for reductions some peer never
+    # launched (runtime._match_peers_launches).
+    {"seed": 20587, "world": 3, "name": "exception_in_backward_with_experts",
+     "model": {"seed": 728, "width": 5, "vocab": 11,
+               "parts": ["buffers", "buffers", "buffers", "experts"], "tied": True},
+     "config": {"stage": 2, "timeout": 20.0, "precision": "32-true", "bucket_numel": 64,
+                "overlap_param_gather": True, "offload_optimizer": False,
+                "quantize_gradients": "int8"},
+     "optimizer": {"name": "adamw", "groups": 2, "scheduler": "lambda",
+                   "only_trainable": False},
+     "steps": 2, "accum": 1, "clip": None,
+     "op": {"name": "raise_backward", "at": 1, "pick": 0.449111672914168}},
+    # A parameter frozen beside a trainable one in one stage-3 unit (a temperature's scale):
+    # the unit was freed once its trainable gradients arrived, while backward still read
+    # the frozen value through tensors saved in forward; NaN gradients, every later step
+    # skipped.
+    {"seed": 20007, "world": 1, "name": "stage3_unit_with_a_frozen_parameter",
+     "model": {"seed": 455, "width": 12, "vocab": 11, "parts": ["layernorm", "direct"],
+               "tied": False},
+     "config": {"stage": 3, "timeout": 20.0, "precision": "32-true", "bucket_numel": 7,
+                "overlap_param_gather": True, "offload_optimizer": False,
+                "param_persistence_threshold": 0, "unit_numel": 1, "prefetch": True,
+                "offload_params": True},
+     "optimizer": {"name": "adam", "groups": 2, "scheduler": None, "only_trainable": False},
+     "steps": 4, "accum": 2, "clip": 5.0,
+     "op": {"name": "freeze", "at": 1, "pick": 0.30280706594552953}},
+]
+REGRESSIONS += FOUND
 for _case in REGRESSIONS:  # the one parameter an operation picks (freeze) is not used here
     if _case["op"] is not None:
         _case["op"].setdefault("pick", 0.5)

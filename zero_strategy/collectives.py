@@ -46,6 +46,10 @@ class CollectiveTimeout(CollectiveError):
     responding (stalled, killed, or running different code)."""
 
 
+_INSTANCES: Counter[tuple[int, ...]] = Counter()
+"""Communicators built so far in this process, by their ranks."""
+
+
 def group_is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -134,11 +138,18 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 class Handle(Protocol):
     def wait(self) -> object: ...
 
+    def done(self) -> bool:
+        """Whether ``wait()`` would return at once (never blocks)."""
+        ...
+
 
 class _Done:
     """The handle of a collective that ran synchronously (one rank, nothing to wait for)."""
 
     def wait(self) -> bool:
+        return True
+
+    def done(self) -> bool:
         return True
 
 
@@ -152,6 +163,9 @@ class _Pending:
     def wait(self) -> bool:
         self.comm.wait(self.work, self.op)
         return True
+
+    def done(self) -> bool:
+        return bool(self.work.is_completed())
 
 
 class _Exchange:
@@ -170,6 +184,9 @@ class _Exchange:
             finish, self.finish = self.finish, None
             finish()
         return True
+
+    def done(self) -> bool:
+        return all(work.is_completed() for work in self.works)
 
 
 Scratch = Callable[[int, torch.dtype], torch.Tensor]
@@ -225,6 +242,29 @@ class Communicator:
         self._scratch: tuple[Scratch, Release] | None = None
         self._peers = [dist.get_global_rank(group, r) if group is not None else r
                        for r in range(self.world_size)]
+        # Every rank builds its communicators in the same order: the count names this one
+        # alike on all of them, for keys in the rendezvous store (``agree_max``).
+        _INSTANCES[tuple(self._peers)] += 1
+        self._store_prefix = (f"zero_strategy/{'-'.join(map(str, self._peers))}/"
+                              f"{_INSTANCES[tuple(self._peers)]}")
+        self._agreements = 0
+
+    def agree_max(self, value: int) -> int:
+        """The largest ``value`` over this group's ranks, agreed through the rendezvous store
+        instead of the group: usable while the group holds operations some rank never
+        matched (a pass cut short), behind which a collective would wait."""
+        if self.world_size == 1:
+            return value
+        self._agreements += 1
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"{self._store_prefix}/agree{self._agreements}"
+        store.set(f"{prefix}/{self.rank}", str(value))
+        keys = [f"{prefix}/{r}" for r in range(self.world_size)]
+        try:
+            store.wait(keys, timedelta(seconds=self.timeout_s or 600.0))
+        except RuntimeError as e:
+            raise self._error("agree (store)", e) from e
+        return max(int(store.get(k)) for k in keys)
 
     def split(self, group_size: int) -> tuple[Communicator, Communicator]:
         """Hybrid sharding: (this rank's shard group of ``group_size`` consecutive ranks, its

@@ -167,7 +167,11 @@ class ZeroEngine:
         if self.scaler is not None:
             loss = loss.float() * self.scaler.scale
         with record_function("zero::backward"):
-            loss.backward(**kwargs)
+            try:
+                loss.backward(**kwargs)
+            except BaseException:
+                self.runtime.interrupted = True  # zero_grad() matches the peers' reductions
+                raise
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

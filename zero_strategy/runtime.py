@@ -37,7 +37,12 @@ from .units import Unit
 
 # Reductions in flight at once. Each holds a unit's full-size local gradient buffer until it
 # completes, so the window bounds stage 2/3's transient gradient memory to a few units while
-# still overlapping communication with the rest of backward.
+# still overlapping communication with the rest of backward. Where backward also gathers
+# (stage 3) the window only retires reductions that have completed, never waits for one: a
+# rank waiting for a reduction its peer has not launched yet, while that peer waits for a
+# gather this rank has not issued yet, would hang both, and which of the two a rank reaches
+# first depends on its data when ranks run different modules (experts; found by
+# tests/space.py). Peers that progress alike complete reductions as fast as before.
 MAX_INFLIGHT_REDUCTIONS = 2
 
 # Gather-order tags read at once on a GPU (one host sync) at the latest after this many
@@ -78,6 +83,9 @@ class Runtime:
         self._launch_order: list[Unit] = []
         self._cursor = 0
         self._complete: set[int] = set()
+        self.gathers_in_backward = False
+        self.interrupted = False
+        """An exception ended the last backward before its end (set by the engine)."""
 
     # ---------------------------------------------------------------- gathering
     def unshard(self, unit: Unit) -> None:
@@ -192,6 +200,14 @@ class Runtime:
         which reductions are launched: the same on every rank whatever arrives."""
         for unit in self.units:
             unit.expected = sum(1 for p in unit.params if p.requires_grad)
+            if unit.expected < len(unit.params):
+                # A frozen parameter's value is still read after the unit's trainable ones
+                # have their gradients (for the gradient of the module's input, as with a
+                # frozen base weight beside a trainable adapter): the unit stays whole until
+                # the end of backward.
+                self._pinned.add(unit.index)
+        self.gathers_in_backward = self.comm.world_size > 1 and any(
+            u.param_store.gathers for u in self.units)
         ran = list(reversed(self._order))
         seen = {u.index for u in ran}
         self._launch_order = ran + [u for u in self.units if u.index not in seen]
@@ -223,7 +239,8 @@ class Runtime:
         if self.sync:
             self._complete.add(unit.index)
             self._launch_ready()
-        # Every use of the unit's parameters is behind us once all their gradients arrived.
+        # Every use of the unit's parameters is behind us once all their gradients arrived
+        # (a unit with frozen parameters is pinned instead: ``_begin_backward``).
         self.release(unit)
 
     def _launch_ready(self) -> None:
@@ -234,8 +251,15 @@ class Runtime:
             with record_function("zero::reduce"):
                 unit.grad_store.launch_reduce(self.comm)
             self._launched.append(unit)
-            while len(self._launched) > MAX_INFLIGHT_REDUCTIONS:
-                self._finish(self._launched.pop(0))
+            self._retire()
+
+    def _retire(self) -> None:
+        """Finish the oldest reductions beyond the window (see MAX_INFLIGHT_REDUCTIONS)."""
+        while len(self._launched) > MAX_INFLIGHT_REDUCTIONS:
+            oldest = self._launched[0]
+            if self.gathers_in_backward and not oldest.grad_store.reduced():
+                return
+            self._finish(self._launched.pop(0))
 
     def end_backward(self) -> None:
         """Reduce what unused parameters left pending, wait for every reduction, agree on
@@ -257,9 +281,12 @@ class Runtime:
             self._callback_queued = False
 
     def reset(self) -> None:
-        """Back to "no pass in progress": wait for collectives already issued (every rank
-        issued them, in the same order), then forget counts, order and pins. Run by
-        ``zero_grad()``, so an exception in the middle of a pass leaves nothing behind."""
+        """Back to "no pass in progress": wait for collectives already issued, then forget
+        counts, order and pins. Run by ``zero_grad()``, so an exception in the middle of a
+        pass leaves nothing behind."""
+        if self.interrupted:
+            self._match_peers_launches()
+        self.interrupted = False
         for unit in self._launched:
             unit.grad_store.wait()
         self._launched = []
@@ -272,6 +299,24 @@ class Runtime:
         self._callback_queued = False
         self.grads_pending_step = False
         self.reshard_all()
+
+    def _match_peers_launches(self) -> None:
+        """After a backward cut short by an exception (on every rank), ranks may have
+        launched different numbers of reductions: which units completed before the exception
+        depends on each rank's data when ranks run different modules. Every rank launches, in
+        the common order, up to the furthest rank's count, so each reduction issued anywhere is
+        matched and completes; the sums are discarded with the pass."""
+        if self.comm.world_size == 1:
+            return
+        if not self._callback_queued:  # nothing arrived here before the exception
+            self._begin_backward()
+        # Through the store: a collective would queue behind the unmatched reductions.
+        furthest = self.world.agree_max(self._cursor)
+        while self._cursor < furthest:
+            unit = self._launch_order[self._cursor]
+            self._cursor += 1
+            unit.grad_store.launch_reduce(self.comm)
+            self._launched.append(unit)
 
     def _agree_on_used(self) -> None:
         """One small all-reduce: a parameter no rank produced a gradient for since the last
