@@ -138,18 +138,11 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 class Handle(Protocol):
     def wait(self) -> object: ...
 
-    def done(self) -> bool:
-        """Whether ``wait()`` would return at once (never blocks)."""
-        ...
-
 
 class _Done:
     """The handle of a collective that ran synchronously (one rank, nothing to wait for)."""
 
     def wait(self) -> bool:
-        return True
-
-    def done(self) -> bool:
         return True
 
 
@@ -163,9 +156,6 @@ class _Pending:
     def wait(self) -> bool:
         self.comm.wait(self.work, self.op)
         return True
-
-    def done(self) -> bool:
-        return bool(self.work.is_completed())
 
 
 class _Exchange:
@@ -184,9 +174,6 @@ class _Exchange:
             finish, self.finish = self.finish, None
             finish()
         return True
-
-    def done(self) -> bool:
-        return all(work.is_completed() for work in self.works)
 
 
 Scratch = Callable[[int, torch.dtype], torch.Tensor]
@@ -571,12 +558,12 @@ class Communicator:
                 t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
-    def all_gather_ints(self, value: int) -> list[int]:
-        """Every rank's ``value`` (a blocking round trip of 8 bytes per rank)."""
-        mine = torch.tensor([value], dtype=torch.int64, device=self.device)
-        out = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (a blocking round trip of 8 bytes per value and rank)."""
+        mine = torch.tensor(values, dtype=torch.int64, device=self.device)
+        out = torch.empty(self.world_size * len(values), dtype=torch.int64, device=self.device)
         self.all_gather(out, mine)
-        return out.tolist()
+        return out.view(self.world_size, -1).tolist()
 
     def all_gather_object(self, obj: object) -> list[object]:
         """Every rank's ``obj`` (picklable), in rank order. Peers are the job's own processes,

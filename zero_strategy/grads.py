@@ -77,11 +77,6 @@ class GradStore(ABC):
         if self.replicas is not None:
             self.replicas.all_reduce(reduced)
 
-    def reduced(self) -> bool:
-        """Whether the reduction in flight has completed (``finish_reduce`` would not block
-        on it); never blocks."""
-        return self._pending is None or self._pending[0].done()
-
     def wait(self) -> torch.Tensor | None:
         handle, out = self._pending if self._pending else (None, None)
         if handle is not None:

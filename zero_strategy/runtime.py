@@ -11,6 +11,14 @@ different code (mixture-of-experts routing leaves an expert unused on one rank o
   forward's unit order, then the remaining units by index), a unit whose gradients are ready
   early waits for its predecessors, and a unit some of whose gradients never arrive on this
   rank is launched at the end of backward, still in that order;
+- where backward also gathers (stage 3) and the gather order is checked on the host, each
+  check also exchanges how many units each rank has complete, and reductions are launched
+  only up to the smallest count, at those checks: every rank then launches the same
+  reductions at the same point of the gather sequence, so a rank waiting for a reduction
+  (the in-flight window) never waits for a peer that waits for a gather this rank has not
+  issued. Without it, which comes first on a rank when ranks run different modules (experts),
+  a unit's completion or the next unit's gather, depends on its data, and two ranks could
+  hang each other (found by tests/space.py);
 - stage-3 gathers follow the modules that run, so with ``check_gather_order`` each gather is
   preceded by a tiny all-gather of the unit's index, and ranks that disagree raise an error
   naming both units instead of exchanging the wrong shards or hanging. When the group
@@ -37,12 +45,7 @@ from .units import Unit
 
 # Reductions in flight at once. Each holds a unit's full-size local gradient buffer until it
 # completes, so the window bounds stage 2/3's transient gradient memory to a few units while
-# still overlapping communication with the rest of backward. Where backward also gathers
-# (stage 3) the window only retires reductions that have completed, never waits for one: a
-# rank waiting for a reduction its peer has not launched yet, while that peer waits for a
-# gather this rank has not issued yet, would hang both, and which of the two a rank reaches
-# first depends on its data when ranks run different modules (experts; found by
-# tests/space.py). Peers that progress alike complete reductions as fast as before.
+# still overlapping communication with the rest of backward.
 MAX_INFLIGHT_REDUCTIONS = 2
 
 # Gather-order tags read at once on a GPU (one host sync) at the latest after this many
@@ -82,8 +85,13 @@ class Runtime:
         or returned (a view of) their parameters from it."""
         self._launch_order: list[Unit] = []
         self._cursor = 0
+        """Reductions launched this pass (a prefix of the launch order)."""
+        self._ready = 0
+        """Units complete this pass, counted from the start of the launch order."""
+        self._agreed: int | None = None
+        """The smallest ``_ready`` over the ranks at the last gather check, which launches may
+        not pass (None: no limit)."""
         self._complete: set[int] = set()
-        self.gathers_in_backward = False
         self.interrupted = False
         """An exception ended the last backward before its end (set by the engine)."""
 
@@ -94,8 +102,17 @@ class Runtime:
             if self.check_gather_order and self.defer_order_check:
                 self._tag_gather(unit)
             elif self.check_gather_order:
-                self._check_tags(unit, self.world.all_gather_ints(unit.index))
+                self._check_and_agree(unit)
             store.start_unshard(self.comm)
+
+    def _check_and_agree(self, unit: Unit) -> None:
+        """The host-side gather-order check; in backward it also agrees how far reductions
+        may be launched (every rank's count of units complete in launch order)."""
+        tags = self.world.all_gather_ints([unit.index, self._ready])
+        self._check_tags(unit, [t[0] for t in tags])
+        if self._agreed is not None:
+            self._agreed = min(t[1] for t in tags)
+            self._launch_ready()
 
     def _tag_gather(self, unit: Unit) -> None:
         mine = torch.tensor([unit.index], dtype=torch.int64, device=self.world.device)
@@ -206,12 +223,13 @@ class Runtime:
                 # frozen base weight beside a trainable adapter): the unit stays whole until
                 # the end of backward.
                 self._pinned.add(unit.index)
-        self.gathers_in_backward = self.comm.world_size > 1 and any(
-            u.param_store.gathers for u in self.units)
+        gathers = any(u.param_store.gathers for u in self.units)
+        agree = gathers and self.check_gather_order and not self.defer_order_check
         ran = list(reversed(self._order))
         seen = {u.index for u in ran}
         self._launch_order = ran + [u for u in self.units if u.index not in seen]
-        self._cursor = 0
+        self._cursor = self._ready = 0
+        self._agreed = 0 if agree else None
         self._complete = set()
 
     def pre_backward(self, unit: Unit) -> None:
@@ -245,26 +263,24 @@ class Runtime:
 
     def _launch_ready(self) -> None:
         order = self._launch_order
-        while self._cursor < len(order) and order[self._cursor].index in self._complete:
+        while self._ready < len(order) and order[self._ready].index in self._complete:
+            self._ready += 1
+        limit = self._ready if self._agreed is None else min(self._ready, self._agreed)
+        while self._cursor < limit:
             unit = order[self._cursor]
             self._cursor += 1
             with record_function("zero::reduce"):
                 unit.grad_store.launch_reduce(self.comm)
             self._launched.append(unit)
-            self._retire()
-
-    def _retire(self) -> None:
-        """Finish the oldest reductions beyond the window (see MAX_INFLIGHT_REDUCTIONS)."""
-        while len(self._launched) > MAX_INFLIGHT_REDUCTIONS:
-            oldest = self._launched[0]
-            if self.gathers_in_backward and not oldest.grad_store.reduced():
-                return
-            self._finish(self._launched.pop(0))
+            while len(self._launched) > MAX_INFLIGHT_REDUCTIONS:
+                self._finish(self._launched.pop(0))
 
     def end_backward(self) -> None:
         """Reduce what unused parameters left pending, wait for every reduction, agree on
         which parameters were used anywhere, free."""
         with record_function("zero::end_backward"):
+            self._agreed = None  # every rank reaches this point: it launches everything
+            self._launch_ready()
             for unit in self.units:
                 if not unit.reduced_this_pass:
                     self._finish_unit(unit)
@@ -295,7 +311,8 @@ class Runtime:
             unit.ready = 0
             unit.reduced_this_pass = False
         self._complete = set()
-        self._cursor = 0
+        self._cursor = self._ready = 0
+        self._agreed = None
         self._callback_queued = False
         self.grads_pending_step = False
         self.reshard_all()
