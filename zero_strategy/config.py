@@ -92,9 +92,11 @@ class ZeroConfig:
     """Stage 3: class names of modules gathered as one unit with everything below them, e.g.
     a mixture-of-experts layer whose experts do not all run on every rank (default none)."""
     check_gather_order: bool | None = None
-    """Stage 3: before each gather, check with an 8-byte all-gather that every rank gathers
+    """Stage 3: before each gather, check with a 16-byte all-gather that every rank gathers
     the same unit, and raise naming both instead of exchanging the wrong shards or hanging
-    when ranks run different modules (default True)."""
+    when ranks run different modules (default True). On the host (gloo) the same exchange
+    keeps gradient reductions in step across ranks whose backward differs (experts under
+    ``unit_leaf_classes``); without it such ranks can wait for each other and hang."""
     overlap_param_gather: bool = True
     """Stages 1-2 (and stage 3's persistent parameters): the all-gather of the updated
     parameters after ``step()`` runs in the background, and each bucket is waited for when
