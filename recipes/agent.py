@@ -53,18 +53,39 @@ def preload(data_cfg: dict[str, Any], model_cfg: dict[str, Any]) -> None:
     once per process and data config: forked workers inherit both."""
     import torch
 
+    check_cuda_untouched("before this job was preloaded (this process's earlier code)")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no Rust threads before forks
     if str(HERE) not in sys.path:
         sys.path.insert(0, str(HERE))
     import data
+
+    check_cuda_untouched("importing recipes/data.py")
     import transformers
+
+    check_cuda_untouched("importing transformers")
     import worker  # noqa: F401  (its imports are the workers')
 
+    check_cuda_untouched("importing recipes/worker.py and what it imports")
     # transformers loads a model's code on first access to its class.
     getattr(transformers, MODEL_CLASSES.get(model_cfg["name"], "PreTrainedModel"))
+    check_cuda_untouched(f"loading transformers' {model_cfg['name']} model code")
     if data_cfg["kind"] in ("causal", "masked"):
         data.token_stream(int(data_cfg["vocab_size"]))  # memoised
+        check_cuda_untouched("preparing the data")
+
+
+def check_cuda_untouched(what: str) -> None:
+    """Refuse to fork workers from a process holding a CUDA context: a forked child cannot
+    use CUDA (its first CUDA call fails, "Cannot re-initialize CUDA in forked subprocess"),
+    and the error would surface in every worker, far from its cause."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            f"CUDA was initialised in the Hydra process ({what}), so workers forked from it "
+            "could not use CUDA. Run the job with trainer.preload=false: its workers then "
+            "start as new interpreters")
 
 
 def run_subprocess(argv: list[str], env: dict[str, str], timeout_s: int) -> int | str:
@@ -82,6 +103,7 @@ def run_forked(argv: list[str], env: dict[str, str], timeout_s: int) -> int | st
     """torch.distributed.run's agent in a forked child (its own session, so a timeout ends
     it and its workers together), starting the workers by fork with worker.main. Ctrl-C or
     SIGTERM to this process stop the job; the agent dies with this process (``lifetime.py``)."""
+    check_cuda_untouched("between preloading and starting the job")
     agent = multiprocessing.get_context("fork").Process(
         target=_agent, args=(argv, env, os.getpid()), name="recipes-agent")
     agent.start()

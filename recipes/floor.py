@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import zero_strategy as zs
-from zero_strategy.collectives import Communicator
+from zero_strategy.comm.collectives import Communicator
 
 
 def _model(args: argparse.Namespace) -> torch.nn.Module:

@@ -116,7 +116,7 @@ def main(config_file: str) -> None:
                    copy_here=nodes is not None and nodes.writes_metrics_copy(trainer))
     # Shut the group down while every rank is alive: left to interpreter exit, gloo's threads
     # can be torn down mid-flight and abort the process after a successful run.
-    from zero_strategy.collectives import destroy_default_group
+    from zero_strategy.comm.collectives import destroy_default_group
 
     torch.distributed.barrier()
     destroy_default_group()

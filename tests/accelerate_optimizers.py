@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests import several_optimizers as so  # noqa: E402
 from zero_strategy.accelerate import ZeroAccelerator, ZeroPlugin  # noqa: E402
-from zero_strategy.collectives import destroy_default_group  # noqa: E402
+from zero_strategy.comm.collectives import destroy_default_group  # noqa: E402
 
 
 def lrs(*optimizers: Any) -> list[float]:

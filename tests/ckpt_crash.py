@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import zero_strategy as zs
-import zero_strategy.checkpoint as ckpt
+import zero_strategy.checkpoint.write as ckpt
 from tests.models import batch, loss_of, make_model, make_optimizer, zero_config
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from zero_strategy.flat import shard_numel_for
+from zero_strategy.core.flat import shard_numel_for
 
 TAG = "t"
 MANIFEST = "manifest.json"

@@ -21,7 +21,8 @@ from torch import nn
 from tests import several_optimizers as so
 from tests.hostile import forge_framework_state, forge_traversal
 from tests.models import MLP
-from zero_strategy.fabric import CLIENT_KEY, ZeroFabricStrategy
+from zero_strategy.fabric import ZeroFabricStrategy
+from zero_strategy.integrations.shared import CLIENT_KEY
 
 K = 3
 ACCUM = 2

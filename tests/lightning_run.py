@@ -59,7 +59,7 @@ from tests.hostile import forge_framework_state, forge_traversal  # noqa: E402
 from tests.lightning_fabric_scenarios import fabric_suite  # noqa: E402
 from tests.lightning_init_scenarios import init_suite  # noqa: E402
 from tests.models import MLP  # noqa: E402
-from zero_strategy.fabric import CLIENT_KEY  # noqa: E402
+from zero_strategy.integrations.shared import CLIENT_KEY  # noqa: E402
 from zero_strategy.lightning import ZeroStrategy, consolidate_checkpoint  # noqa: E402
 
 K = 4  # optimizer steps per epoch (64 samples, 2 ranks x batch 4, accumulation 2)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.models import STAGE3, loss_of, make_model, make_optimizer  # noqa: E402
 from tests.multinode_engine import CLIP, STEPS, global_batches, my_part  # noqa: E402
-from zero_strategy.collectives import group_timeout  # noqa: E402
+from zero_strategy.comm.collectives import group_timeout  # noqa: E402
 from zero_strategy.lightning import ZeroStrategy  # noqa: E402
 
 

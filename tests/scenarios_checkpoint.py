@@ -13,6 +13,7 @@ import torch.distributed as dist
 import zero_strategy as zs
 from tests.harness import register
 from tests.models import batch, loss_of, make_model, make_optimizer, zero_config
+from zero_strategy.checkpoint import read as checkpoint_read
 
 ROOT = Path(os.environ.get("ZS_CKPT_ROOT", "/tmp/zs-ckpt"))
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -70,7 +71,7 @@ def write_format_v2() -> dict:
     import functools
     import json
 
-    import zero_strategy.units as units
+    import zero_strategy.core.units as units
 
     aligned = units.make_layout
     units.make_layout = functools.partial(aligned, shard_align=1)
@@ -100,7 +101,7 @@ def load_elsewhere(stage: int, source: str = "cross", kind: str = "gpt2") -> dic
     engine.load_checkpoint(ROOT / source)
     saved = zs.consolidate(ROOT / source)
     full = engine.full_state_dict()
-    reader = zs.reshard.CheckpointReader(zs.reshard.resolve(ROOT / source))
+    reader = checkpoint_read.CheckpointReader(checkpoint_read.resolve(ROOT / source))
     states_equal = True
     rank = dist.get_rank() if engine.plan.optimizer_shards > 1 else 0
     for seg in engine.optimizer.segments:

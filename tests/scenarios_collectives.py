@@ -15,8 +15,8 @@ from torch import nn
 import zero_strategy as zs
 from tests.harness import scenario
 from tests.models import MLP
-from zero_strategy.buffers import BufferPool
-from zero_strategy.collectives import Communicator
+from zero_strategy.comm.collectives import Communicator
+from zero_strategy.core.buffers import BufferPool
 
 
 def _rank_data(numel: int, salt: int) -> torch.Tensor:
@@ -154,7 +154,7 @@ def retained_gradients_are_left_alone() -> dict[str, Any]:
 def _blockmax(x: torch.Tensor) -> torch.Tensor:
     """Per element, the largest |value| of its int8 block (blocks start at the tensor's
     first element): half a quantization step is that / 254."""
-    from zero_strategy import quantize
+    from zero_strategy.comm import int8 as quantize
 
     nb = quantize.blocks(x.numel())
     padded = torch.zeros(nb * quantize.BLOCK, dtype=torch.float64)
@@ -180,7 +180,7 @@ def int8_all_gather_within_half_a_step() -> dict[str, Any]:
         everyone = [torch.empty_like(out) for _ in range(n)]
         dist.all_gather(everyone, out)
         same &= all(torch.equal(e, out) for e in everyone)
-    from zero_strategy import quantize
+    from zero_strategy.comm import int8 as quantize
 
     sent = sum((n - 1) * quantize.blocks(k) * (quantize.BLOCK + 4) for k in sizes)
     return {"worst_over_bound": worst, "same": same, "bytes": comm.bytes_sent["all_gather"],

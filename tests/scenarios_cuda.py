@@ -29,7 +29,7 @@ from torch import nn
 import zero_strategy as zs
 from tests.harness import register
 from tests.models import MLP, STAGE3, batch, loss_of
-from zero_strategy import offload
+from zero_strategy.offload import transfers as offload
 
 CKPT = Path(os.environ.get("ZS_CKPT_ROOT", "/tmp/zs-cuda-ckpt"))
 TOLERANCE = {"32-true": 1e-4, "bf16-mixed": 5e-2, "16-mixed": 1e-2}

@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 
 import zero_strategy as zs
-import zero_strategy.checkpoint as ckpt
+import zero_strategy.checkpoint.write as ckpt
 from tests.harness import scenario
 from tests.hostile import TAG, make_variants
 from tests.models import batch, loss_of, make_model, make_optimizer, zero_config
-from zero_strategy.collectives import CollectiveTimeout
+from zero_strategy.comm.collectives import CollectiveTimeout
 
 ROOT = Path(os.environ.get("ZS_FAULT_ROOT", "/tmp/zs-faults"))
 

@@ -13,7 +13,7 @@ from torch import nn
 import zero_strategy as zs
 from tests.harness import scenario
 from tests.init_models import Net, torch_net
-from zero_strategy.materialize import meta_init
+from zero_strategy.core.materialize import meta_init
 
 # Small units and no persistent parameters: every module becomes its own unit, materialised
 # children first, i.e. in another order than construction.

@@ -26,8 +26,8 @@ from torch import nn
 import zero_strategy as zs
 from tests.harness import register
 from tests.user_models import Net, batches, loss_plain, rel_diff
-from zero_strategy.materialize import meta_init
-from zero_strategy.owner import OwnerPart
+from zero_strategy.core.materialize import meta_init
+from zero_strategy.optim.owner import OwnerPart
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 RANK = int(os.environ.get("RANK", "0"))

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import zero_strategy as zs
 from tests.harness import register
 from tests.models import MLP, STAGE3, batch, loss_of, make_model, make_optimizer
-from zero_strategy import offload
+from zero_strategy.offload import transfers as offload
 
 
 def _config(kind: str, stage: int, **kw) -> zs.ZeroConfig:

@@ -149,8 +149,8 @@ def _config(rng: random.Random, world: int, experts: bool,
 def make_optimizers(case: dict[str, Any], model: nn.Module,
                     fused: bool = False) -> list[torch.optim.Optimizer]:
     """The case's optimizers over ``model``; ``fused``: torch's fused kernels where the class
-    has one for these tensors (what the engine runs on its shards, ``zero_strategy/inner.py``),
-    for the twin reference."""
+    has one for these tensors (what the engine runs on its shards,
+    ``zero_strategy/optim/inner.py``), for the twin reference."""
     spec = case["optimizer"]
     named = [(n, p) for n, p in model.named_parameters()
              if p.requires_grad or not spec["only_trainable"]]
@@ -323,6 +323,7 @@ class Reference:
                         g = c.grad.to(acc_dtype)
                         acc[id(m)] = acc[id(m)] + g if id(m) in acc else g
         total: dict[int, torch.Tensor] = {}
+        addends: dict[int, torch.Tensor] = {}
         for acc in ranks:
             if self.noisy_grads and acc:
                 peak = max(float(g.abs().max()) for g in acc.values())
@@ -330,7 +331,17 @@ class Reference:
             for k, g in acc.items():  # divided before the sum, in the sum's dtype, as DDP does
                 g = g / len(ranks)
                 total[k] = total[k] + g if k in total else g
+                addends[k] = addends[k] + g.double().abs() if k in addends else g.double().abs()
         total = {k: g.double() / self.scale for k, g in total.items()}
+        if len(ranks) > 1:
+            # The engine sums the ranks' gradients in another order (per chunk, along a ring
+            # or an exchange), rounding each partial sum in the reduce dtype: its error is up
+            # to an ulp of the *addends*, not of the result, and where they nearly cancel
+            # (found at N=3 in bf16: an Adam step of a full lr one way or the other) that is
+            # far more than an ulp of the sum. Each twin rounds by that much, random signs.
+            eps = torch.finfo(self.reduce_dtype).eps
+            for k, g in total.items():
+                g.add_(self._signs(g) * eps * addends[k] / self.scale)
         for m, c in pairs:
             c.grad = None
             m.grad = total[id(m)].to(m.dtype) if id(m) in total else None

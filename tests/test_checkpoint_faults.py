@@ -24,7 +24,9 @@ import zero_strategy as zs
 from tests.harness import check, run_world
 from tests.hostile import ENGINE_VARIANTS, TAG, VARIANTS, payload_bytes
 from tests.lightning_launch import run_script
-from zero_strategy import checkpoint, cli, reshard
+from zero_strategy import cli
+from zero_strategy.checkpoint import read as reshard
+from zero_strategy.checkpoint import write as checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.harness import check, run_world
-from zero_strategy.buffers import BufferPool
+from zero_strategy.core.buffers import BufferPool
 
 
 @pytest.fixture(scope="module", params=[2, 3])
@@ -118,7 +118,7 @@ def test_int8_codec_works_chunk_by_chunk_like_a_whole_tensor_reference(
     pass ("whole", forced here on the host); on a size of two chunks and a partial block
     both must give exactly what the whole-tensor reference gives, in every chunk: the same
     int8 values and scales, decodes and sums."""
-    from zero_strategy import quantize as q
+    from zero_strategy.comm import int8 as q
 
     if passes == "whole":
         monkeypatch.setattr(q, "chunk_numel", lambda device: None)
@@ -151,7 +151,7 @@ def test_int8_codec_works_chunk_by_chunk_like_a_whole_tensor_reference(
 
 
 def test_int8_codec_takes_one_pass_on_an_accelerator() -> None:
-    from zero_strategy import quantize as q
+    from zero_strategy.comm import int8 as q
 
     n = 3 * q.CHUNK + 5
     assert q.scratch_numel(n, torch.device("cuda")) == q.blocks(n) * q.BLOCK

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from zero_strategy import engine
-from zero_strategy.collectives import Communicator, backend_for, default_device
-from zero_strategy.optimizer import global_norm
+from zero_strategy.comm.collectives import Communicator, backend_for, default_device
+from zero_strategy.optim.sharded import global_norm
 
 
 class _Work:

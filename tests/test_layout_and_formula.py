@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import zero_strategy as zs
-from zero_strategy.flat import ALIGN_ELEMENTS, make_layout
+from zero_strategy.core.flat import ALIGN_ELEMENTS, make_layout
 
 
 def test_layout_shards_cover_every_element_once() -> None:

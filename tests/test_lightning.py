@@ -25,7 +25,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import zero_strategy as zs
 from tests import several_optimizers as so
 from tests.lightning_launch import ROOT, check, run_script, suite_results
-from zero_strategy.fabric import PRESETS, _hydra_cli_flags
+from zero_strategy.fabric import PRESETS
+from zero_strategy.integrations.hydra_launch import _hydra_cli_flags
 from zero_strategy.lightning import ZeroPrecision, ZeroStrategy
 
 TOL = 1e-5  # fp32: only summation order differs from DDP

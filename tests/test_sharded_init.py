@@ -20,7 +20,7 @@ from tests.harness import check, run_world
 from tests.init_models import Net
 from tests.lightning_launch import check as check_launched
 from tests.lightning_launch import suite_results
-from zero_strategy.materialize import Materializer, meta_init
+from zero_strategy.core.materialize import Materializer, meta_init
 
 CPU = torch.device("cpu")
 TOL = 1e-5  # fp32: only summation order differs from DDP after the first step

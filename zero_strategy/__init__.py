@@ -1,19 +1,28 @@
-"""zero_strategy: ZeRO (arXiv:1910.02054) written from scratch on PyTorch's collectives."""
+"""zero_strategy: ZeRO (arXiv:1910.02054) written from scratch on PyTorch's collectives.
 
-from ._registration import install as _install_strategy_names
-from .checkpoint import CheckpointError
-from .combined import CombinedOptimizer
+The public API is what this module exports, plus the framework entry points
+``zero_strategy.lightning``, ``zero_strategy.fabric`` and ``zero_strategy.accelerate``.
+Layers, top to bottom (``docs/architecture.md``): ``integrations`` -> ``engine`` ->
+``checkpoint`` / ``optim`` / ``offload`` -> ``core`` -> ``comm`` -> ``config``.
+"""
+
+from .checkpoint.read import consolidate, write_consolidated
+from .checkpoint.write import CheckpointError
 from .config import LossScaleConfig, ZeroConfig
+from .core.materialize import meta_init
+from .core.runtime import GatherOrderError
 from .engine import ZeroEngine
+from .integrations.registration import register_if_installed, register_strategies
 from .memory import MemoryEstimate, estimate_memory
-from .reshard import consolidate, write_consolidated
-from .runtime import GatherOrderError
+from .optim.combined import CombinedOptimizer
 
-_install_strategy_names()  # zero1 ... zero3_offload for Lightning's Trainer and Fabric
+# Lightning has no entry point for strategy names: with Lightning installed, this imports it
+# and registers zero1 ... zero3_offload for Trainer and Fabric (integrations/registration.py).
+register_if_installed()
 
 __all__ = [
     "CheckpointError", "CombinedOptimizer", "GatherOrderError", "LossScaleConfig",
     "MemoryEstimate", "ZeroConfig", "ZeroEngine",
-    "consolidate", "estimate_memory", "write_consolidated",
+    "consolidate", "estimate_memory", "meta_init", "register_strategies", "write_consolidated",
 ]
 __version__ = "0.1.0"

@@ -7,10 +7,10 @@ import sys
 
 import torch
 
-from .checkpoint import CheckpointError
+from .checkpoint.read import write_consolidated
+from .checkpoint.write import CheckpointError
 from .config import PRECISIONS
 from .memory import estimate_memory
-from .reshard import write_consolidated
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -31,7 +31,10 @@ def _parse_count(text: str) -> int:
 def _consolidate(args: argparse.Namespace) -> int:
     dtype = _DTYPES[args.dtype] if args.dtype else None
     if str(args.out).endswith(".ckpt"):  # a Lightning checkpoint, for load_from_checkpoint
-        from .lightning import consolidate_checkpoint
+        from .integrations import require
+
+        require("lightning", "writing a Lightning .ckpt")
+        from .integrations.lightning import consolidate_checkpoint
 
         try:
             consolidate_checkpoint(args.checkpoint, args.out, tag=args.tag, dtype=dtype)

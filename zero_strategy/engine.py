@@ -13,24 +13,26 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from . import checkpoint, offload, reshard
-from .access import ParamAccess
-from .buffers import BufferPool
-from .collectives import Communicator, default_device
-from .combined import CombinedOptimizer
-from .combined import parts as optimizer_parts
+from .checkpoint import read as checkpoint_read
+from .checkpoint import write as checkpoint_write
+from .comm.collectives import Communicator, default_device
 from .config import ZeroConfig
-from .hooks import HookSet, ModulePatches
-from .materialize import InitFn, Materializer, has_meta
+from .core.access import ParamAccess
+from .core.buffers import BufferPool
+from .core.hooks import HookSet, ModulePatches
+from .core.materialize import InitFn, Materializer, has_meta
+from .core.params import Placement
+from .core.plan import make_plan
+from .core.precision import LossScaler
+from .core.runtime import Runtime
+from .core.units import NamedParams, UnitComms, build_units
 from .memory import estimate_memory, storage_bytes
-from .optim_state import UserOptimizerPatch, full_state_dict, load_full_state_dict
-from .optimizer import ShardedOptimizer, placement
-from .owner import OwnerPart
-from .params import Placement
-from .plan import make_plan
-from .precision import LossScaler
-from .runtime import Runtime
-from .units import NamedParams, UnitComms, build_units
+from .offload.transfers import Transfers
+from .optim.combined import CombinedOptimizer
+from .optim.combined import parts as optimizer_parts
+from .optim.owner import OwnerPart
+from .optim.sharded import ShardedOptimizer, placement
+from .optim.state import UserOptimizerPatch, full_state_dict, load_full_state_dict
 
 
 class ZeroEngine:
@@ -81,7 +83,7 @@ class ZeroEngine:
         self._original_dtypes = {id(p): p.dtype for _, p in managed}
         self.user_optimizer = optimizer
         self._optimizer_signature = _signature(optimizer)
-        self.transfers = offload.Transfers.for_device(self.device)
+        self.transfers = Transfers.for_device(self.device)
         self.placement = Placement(self.device, self.plan.offload_optimizer,
                                    self.plan.offload_params, self.transfers, self.pool)
         self.units = build_units(model, managed, group_of, self.plan, self._unit_comms(),
@@ -159,7 +161,9 @@ class ZeroEngine:
                 self.comm.broadcast_coalesced(self._buffers)
         args, kwargs = self.plan.policy.cast_inputs(args, kwargs)
         with record_function("zero::forward"):
-            return self.module(*args, **kwargs)
+            output = self.module(*args, **kwargs)
+        self.runtime.end_forward()
+        return output
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backward; outside ``no_sync()`` gradients are reduced while it runs."""
@@ -491,7 +495,7 @@ class ZeroEngine:
         self._check_open("save_checkpoint")
         self.runtime.settle()
         with record_function("zero::save_checkpoint"):
-            return checkpoint.save(self, directory, tag=tag, client_state=client_state)
+            return checkpoint_write.save(self, directory, tag=tag, client_state=client_state)
 
     def load_checkpoint(self, directory: str | os.PathLike, *, tag: str | None = None,
                         load_optimizer: bool = True) -> dict[str, Any] | None:
@@ -499,7 +503,7 @@ class ZeroEngine:
         state saved with it."""
         self._check_open("load_checkpoint")
         with record_function("zero::load_checkpoint"):
-            return reshard.load(self, directory, tag=tag, load_optimizer=load_optimizer)
+            return checkpoint_read.load(self, directory, tag=tag, load_optimizer=load_optimizer)
 
     def memory_report(self) -> dict[str, int | float | str]:
         """Model-state bytes this rank holds now, beside the ZeRO formula's prediction."""

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .config import ZeroConfig
-from .precision import make_policy
+from .core.precision import make_policy
 
 
 def _size(dtype: torch.dtype) -> int:

@@ -1,0 +1,485 @@
+"""Reading sharded checkpoints: into an engine of any world size and stage, or consolidated.
+
+Everything is addressed by parameter name and element range, never by rank: a parameter range
+of the new layout is read from whichever old shards hold it, lazily (safetensors slices), so
+loading and consolidation stay bounded by the largest tensor rather than the model size.
+
+Nothing is trusted: ``CheckpointReader`` checks the whole directory (``verify.py``)
+before the first tensor is read, and ``load`` reads everything it will write before it
+changes anything, so a rejected checkpoint leaves the engine as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import struct
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..optim.state import load_records, requests, restore_hyperparameters
+from .verify import (
+    DTYPES_FROM_ST,
+    PARAM_DTYPES,
+    ST_DTYPES,
+    check_tensors,
+    member,
+    param_records,
+    read_header,
+    read_manifest,
+    refusal,
+    resolve,
+)
+from .write import (
+    CLIENT_FILE,
+    MANIFEST,
+    MODULE_FILE,
+    CheckpointError,
+    _layout_from_json,
+    _sha256,
+    atomic_file,
+    optimizer_name,
+    shard_file,
+    whole_key,
+)
+
+if TYPE_CHECKING:
+    from ..comm.collectives import Communicator
+    from ..engine import ZeroEngine
+
+
+Entry = tuple[str, Callable[[], torch.Tensor], tuple[int, ...], torch.dtype]
+
+
+class SafetensorsFile:
+    """Element ranges of tensors in a safetensors file, read with seek + readinto, from a
+    header ``verify.read_header`` checked against the file's size.
+
+    Not memory-mapped on purpose: pages of a mapping stay resident while it is open, so
+    reading a whole checkpoint through one would grow RSS to the checkpoint's size.
+    """
+
+    def __init__(self, path: Path, header: dict[str, dict[str, Any]], data_start: int) -> None:
+        self.path = path
+        self.header = header
+        self.data_start = data_start
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def info(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        if name not in self.header:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is missing")
+        entry = self.header[name]
+        return DTYPES_FROM_ST[entry["dtype"]], tuple(entry["shape"])
+
+    def read(self, name: str, start: int | None = None, end: int | None = None) -> torch.Tensor:
+        """Flat elements [start, end) of tensor ``name`` (all of it by default)."""
+        dtype, shape = self.info(name)
+        numel = torch.Size(shape).numel()
+        start, end = start or 0, numel if end is None else end
+        if not 0 <= start <= end <= numel:
+            raise CheckpointError(f"{self.path}: elements [{start}, {end}) of tensor {name!r} "
+                                  f"are outside its {numel}")
+        item = dtype.itemsize
+        out = torch.empty(end - start, dtype=dtype)
+        begin = self.data_start + self.header[name]["data_offsets"][0] + start * item
+        with open(self.path, "rb") as f:
+            f.seek(begin)
+            got = f.readinto(out.view(torch.uint8).numpy())
+        if got != out.numel() * item:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is cut short (truncated file)")
+        return out if start or end != numel else out.view(shape)
+
+
+class CheckpointReader:
+    """A tag directory, checked completely when opened: the manifest's schema and layouts,
+    each listed file (a regular file inside the directory, of the listed size) and every
+    tensor header against the layout. Hashes are checked by ``verify`` (or, shared between
+    ranks, by ``load``) before data is read."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.manifest = read_manifest(path)
+        self.layouts = [_layout_from_json(u) for u in self.manifest["units"]]
+        self.where = {slot.name: (i, slot) for i, lay in enumerate(self.layouts)
+                      for slot in lay.slots}
+        self._handles: dict[str, SafetensorsFile] = {}
+        for name, entry in sorted(self.manifest["files"].items()):
+            file = self._listed(name, entry["bytes"])
+            if name != CLIENT_FILE:
+                self._handles[name] = SafetensorsFile(file, *read_header(file, entry["bytes"]))
+        check_tensors(path, self.manifest, {n: h.header for n, h in self._handles.items()})
+
+    def _listed(self, name: str, size: int) -> Path:
+        file = self.path / name
+        if not file.exists() and not file.is_symlink():
+            raise CheckpointError(f"{file}: missing (the manifest lists it)")
+        member(self.path, file, f"listed file {name!r}")
+        if file.stat().st_size != size:
+            raise CheckpointError(f"{file}: {file.stat().st_size} bytes, the manifest says "
+                                  f"{size} (truncated or replaced)")
+        return file
+
+    # -------------------------------------------------------------- integrity
+    def verify(self, names: list[str]) -> list[str]:
+        """Files among ``names`` whose sha256 differs from the manifest's, as messages."""
+        problems = []
+        for name in names:
+            file = self.path / name
+            if _sha256(file) != self.manifest["files"][name]["sha256"]:
+                problems.append(f"{file}: sha256 differs from the manifest (corrupted or altered)")
+        return problems
+
+    def verify_all(self) -> None:
+        problems = self.verify(sorted(self.manifest["files"]))
+        if problems:
+            raise CheckpointError("; ".join(problems))
+
+    def _open(self, name: str) -> SafetensorsFile:
+        return self._handles[name]
+
+    # -------------------------------------------------------------- tensor access
+    def has_state(self, key: str) -> bool:
+        return key in self.manifest.get("state_keys", [])
+
+    def read_range(self, name: str, key: str, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of parameter ``name`` (flattened) of ``key`` ("master" or a
+        parameter-sized optimizer state), assembled from the shards that hold them."""
+        unit, slot = self.where[name]
+        layout = self.layouts[unit]
+        lo, hi = slot.offset + start, slot.offset + end
+        n = layout.shard_numel
+        parts = []
+        for k in range(lo // n, (hi - 1) // n + 1):
+            handle = self._open(shard_file(k if layout.num_shards > 1 else 0))
+            parts.append(handle.read(f"u{unit}.{key}", max(lo, k * n) - k * n,
+                                     min(hi, (k + 1) * n) - k * n))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def read_state(self, name: str, key: str, start: int | None, end: int | None
+                   ) -> torch.Tensor:
+        """Optimizer state ``key`` of parameter ``name``: elements [start, end) flattened, or
+        with ``start`` None the whole tensor in its own shape, whether the checkpoint holds it
+        laid out like the master or whole (an owner-placed optimizer's)."""
+        whole = param_records(self.manifest).get(name, {}).get("whole", {})
+        if key in whole:
+            value = self._open(shard_file(whole[key]["shard"])).read(whole_key(name, key))
+            return value if start is None else value.reshape(-1)[start:end]
+        if start is None:
+            return self.read_param(name, key)
+        return self.read_range(name, key, start, end if end is not None else start)
+
+    def read_param(self, name: str, key: str = "master") -> torch.Tensor:
+        _, slot = self.where[name]
+        return self.read_range(name, key, 0, slot.numel).view(slot.shape)
+
+    def module_keys(self) -> list[str]:
+        return list(self._open(MODULE_FILE).keys())
+
+    def module_tensor(self, key: str) -> torch.Tensor:
+        return self._open(MODULE_FILE).read(key)
+
+    def entries(self, dtype: torch.dtype | None = None) -> Iterator[Entry]:
+        """(state_dict key, loader, shape, dtype) in the model's state_dict order."""
+        aliases = self.manifest["aliases"]
+        module = self._open(MODULE_FILE)
+        for key in self.manifest["state_dict_keys"]:
+            if key in aliases:
+                name = aliases[key]
+                shape = tuple(self.manifest["params"][name]["shape"])
+                stored = PARAM_DTYPES[self.manifest["params"][name]["dtype"]]
+                out = dtype or stored
+                yield key, (lambda n=name, o=out: self.read_param(n).to(o)), shape, out
+            else:
+                stored, shape = module.info(key)
+                out = dtype if dtype is not None and stored.is_floating_point else stored
+                yield key, (lambda k=key, o=out: self.module_tensor(k).to(o)), shape, out
+
+
+# ------------------------------------------------------------------------ loading an engine
+def load(engine: ZeroEngine, directory: str | os.PathLike, *, tag: str | None = None,
+         load_optimizer: bool = True,
+         before_commit: Callable[[dict[str, Any] | None], None] | None = None,
+         ) -> dict[str, Any] | None:
+    """Every rank calls this; returns the client state saved with the checkpoint (or None).
+
+    Validate, then mutate: the checkpoint is checked completely, its files hashed (each rank
+    a share) and everything this rank will write is read into new tensors, the ranks agreeing
+    after each phase; only then are weights, optimizer state, loss scaler and counters
+    replaced. A failure anywhere, on any rank, raises on every rank and changes nothing.
+    ``before_commit(client_state)`` runs on every rank just before the engine changes (an
+    adapter restoring its own state there is covered by the same agreement).
+    """
+    comm = engine.comm
+    reader = _on_all_ranks(comm, lambda: _open_checked(engine, directory, tag, load_optimizer))
+    _on_all_ranks(comm, lambda: _verify_share(engine, reader))
+    staged = _on_all_ranks(comm, lambda: _stage(engine, reader, load_optimizer, before_commit))
+    _commit(engine, staged, load_optimizer)
+    return staged.client_state
+
+
+def _on_all_ranks(comm: Communicator, action: Callable[[], Any]) -> Any:
+    """Run ``action`` on every rank and agree on the outcome: a rank that failed raises its own
+    exception, the others a CheckpointError naming it, so no rank changes anything (or waits
+    in a collective for a rank that gave up)."""
+    result, error = None, None
+    try:
+        result = action()
+    except Exception as e:  # every rank must hear of it before anyone raises
+        error = e
+    failed = comm.failures(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError("loading the checkpoint failed on " + "; ".join(
+            f"rank {r} ({e})" for r, e in failed) + "; nothing was changed")
+    return result
+
+
+def _open_checked(engine: ZeroEngine, directory: str | os.PathLike, tag: str | None,
+                  load_optimizer: bool) -> CheckpointReader:
+    reader = CheckpointReader(resolve(directory, tag))
+    _check_same_model(engine, reader)
+    _check_loadable(engine, reader, load_optimizer)
+    return reader
+
+
+def _check_same_model(engine: ZeroEngine, reader: CheckpointReader) -> None:
+    saved = {n: tuple(v["shape"]) for n, v in reader.manifest["params"].items()}
+    current = {slot.name: slot.shape for u in engine.units for slot in u.layout.slots}
+    module = reader._open(MODULE_FILE)
+    saved_module = set(reader.manifest["state_dict_keys"]) - set(reader.manifest["aliases"])
+    unmanaged = engine.unmanaged_state()
+    kinds = {
+        "trainable parameters of this model missing from the checkpoint":
+            [n for n in current if n not in saved],
+        "checkpoint parameters this model does not train":
+            [n for n in saved if n not in current],
+        "shapes that differ (checkpoint vs model)":
+            [f"{n} {list(saved[n])} vs {list(current[n])}" for n in current
+             if n in saved and saved[n] != current[n]],
+        "buffers or frozen parameters missing from the checkpoint":
+            [k for k in unmanaged if k not in saved_module],
+        "buffers or frozen parameters of another shape or dtype (checkpoint vs model)":
+            [f"{k} {module.info(k)} vs {t.dtype, tuple(t.shape)}" for k, t in unmanaged.items()
+             if k in saved_module and not _fits(module.info(k), t)],
+    }
+    problems = [f"{len(v)} {kind} (e.g. {', '.join(v[:3])})" for kind, v in kinds.items() if v]
+    if problems:
+        raise CheckpointError(f"{reader.path}: checkpoint of a different model: "
+                              + "; ".join(problems))
+
+
+def _fits(info: tuple[torch.dtype, tuple[int, ...]], tensor: torch.Tensor) -> bool:
+    """A stored buffer can be copied into ``tensor``: same shape, and floating point into
+    floating point (cast) or exactly the same dtype (integers and bools stay exact)."""
+    dtype, shape = info
+    same_kind = dtype.is_floating_point and tensor.is_floating_point() or dtype == tensor.dtype
+    return shape == tuple(tensor.shape) and same_kind
+
+
+def _check_loadable(engine: ZeroEngine, reader: CheckpointReader, load_optimizer: bool) -> None:
+    """What the commit will apply besides tensors, tried on copies: the optimizer, its
+    hyperparameters and the loss scaler's state."""
+    manifest, file = reader.manifest, reader.path / MANIFEST
+    if load_optimizer and manifest["optimizer"] != optimizer_name(engine):
+        raise CheckpointError(
+            f"{file}: saved with optimizer {manifest['optimizer']}, loading into "
+            f"{optimizer_name(engine)}; pass load_optimizer=False to load weights only")
+    groups = manifest.get("param_groups")  # v1 checkpoints did not record them
+    if load_optimizer and groups is not None:
+        if len(groups) != len(engine.user_optimizer.param_groups):
+            raise CheckpointError(
+                f"{file}: saved with {len(groups)} optimizer param groups, loading into "
+                f"{len(engine.user_optimizer.param_groups)}; build the optimizer as when "
+                "saving, or pass load_optimizer=False to load weights only")
+        for g, (current, saved) in enumerate(zip(engine.user_optimizer.param_groups, groups)):
+            for key, value in saved.items():
+                if key in current and not _same_kind(current[key], value):
+                    raise CheckpointError(
+                        f"{file}: field 'param_groups[{g}].{key}' is {value!r}, the optimizer "
+                        f"holds {current[key]!r}; a damaged or forged manifest")
+        trial = types.SimpleNamespace(param_groups=[
+            {k: v.clone() if isinstance(v, torch.Tensor) else copy.copy(v)
+             for k, v in g.items() if k != "params"} for g in engine.user_optimizer.param_groups])
+        _try(file, "param_groups",
+             lambda: restore_hyperparameters(trial, groups))  # type: ignore[arg-type]
+    scaler, state = engine.scaler, manifest["engine"]["loss_scaler"]
+    if scaler is not None and state is not None:
+        _try(file, "engine.loss_scaler", lambda: copy.deepcopy(scaler).load_state_dict(state))
+
+
+def _same_kind(current: Any, saved: Any) -> bool:
+    """A saved hyperparameter can replace the current one: a number for a number (or a
+    one-element tensor), a flag for a flag, a string for a string, a list of as many numbers
+    for a tuple or list (betas), None for None."""
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    if isinstance(current, torch.Tensor):
+        return current.numel() == 1 and number(saved)
+    if isinstance(current, bool) or current is None:  # flags such as foreach may be unset
+        return saved is None or isinstance(saved, bool)
+    if isinstance(current, str):
+        return isinstance(saved, str)
+    if number(current):
+        return number(saved)
+    if isinstance(current, (tuple, list)):
+        return (isinstance(saved, list) and len(saved) == len(current)
+                and all(number(x) == number(c) for x, c in zip(saved, current)))
+    return True  # a kind the manifest does not record (hyperparameters() skips it)
+
+
+def _try(file: Path, field: str, action: Callable[[], None]) -> None:
+    try:
+        action()
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{file}: field {field!r} cannot be applied ({e!r}); a damaged "
+                              "or forged manifest") from e
+
+
+def _verify_share(engine: ZeroEngine, reader: CheckpointReader) -> None:
+    """This rank's share of the hashing: file i is hashed by rank i mod world size."""
+    comm = engine.comm
+    files = sorted(reader.manifest["files"])
+    problems = reader.verify([f for i, f in enumerate(files) if i % comm.world_size == comm.rank])
+    if problems:
+        raise CheckpointError("; ".join(problems))
+
+
+@dataclass
+class _Staged:
+    """Everything a load writes into the engine, read before the engine is touched."""
+
+    reader: CheckpointReader
+    masters: list[tuple[torch.Tensor, int, torch.Tensor]]
+    """(a unit's master shard, offset in it, values)"""
+    module: dict[str, torch.Tensor]
+    records: dict[str, dict[str, Any]]
+    ranges: dict[tuple[str, str, int | None, int | None], torch.Tensor]
+    """Optimizer state ranges, by (parameter, key, start, end)."""
+    client_state: dict[str, Any] | None
+
+    def read(self, name: str, key: str, start: int | None, end: int | None) -> torch.Tensor:
+        return self.ranges[(name, key, start, end)]  # staged from the same requests
+
+
+def _stage(engine: ZeroEngine, reader: CheckpointReader, load_optimizer: bool,
+           before_commit: Callable[[dict[str, Any] | None], None] | None) -> _Staged:
+    """Read what this rank will write: its master pieces, the module's buffers, its optimizer
+    state ranges, the client state. Costs one more copy of the rank's shard until commit."""
+    rank = engine.shards.rank if engine.plan.optimizer_shards > 1 else 0
+    masters = []
+    for unit in engine.units:
+        for piece in unit.layout.pieces(rank):
+            values = reader.read_range(piece.slot.name, "master", piece.slot_start,
+                                       piece.slot_start + piece.numel)
+            masters.append((unit.param_store.master, piece.shard_start, values))
+    module = {key: reader.module_tensor(key) for key in engine.unmanaged_state()}
+    records = param_records(reader.manifest) if load_optimizer else {}
+    ranges = {request: reader.read_state(*request)
+              for request in requests(engine.optimizer, records)}
+    client = _load_client_state(reader.path, reader.manifest)
+    if before_commit is not None:
+        before_commit(client)
+    return _Staged(reader, masters, module, records, ranges, client)
+
+
+def _commit(engine: ZeroEngine, staged: _Staged, load_optimizer: bool) -> None:
+    """Write what ``_stage`` read. Nothing here reads a file or can find a problem."""
+    manifest = staged.reader.manifest
+    engine.runtime.settle()
+    engine.runtime.reshard_all()
+    engine.zero_grad()
+    for unit in engine.units:
+        unit.param_store.wait_host_copies()
+    with torch.no_grad():
+        for master, start, values in staged.masters:
+            master[start : start + values.numel()].copy_(values)
+        engine.refresh_compute_copies()
+        for key, tensor in engine.unmanaged_state().items():
+            tensor.copy_(staged.module[key])
+    groups = manifest.get("param_groups")  # v1 checkpoints did not record them
+    if load_optimizer:
+        if staged.records:  # else saved before the first step: nothing to restore
+            load_records(engine.optimizer, staged.records, staged.read)
+        if groups is not None:  # lr, initial_lr, ...: where the schedule had got to
+            restore_hyperparameters(engine.user_optimizer, groups)
+    state = manifest["engine"]
+    engine.global_step, engine.skipped_steps = state["global_step"], state["skipped_steps"]
+    if engine.scaler is not None and state["loss_scaler"] is not None:
+        engine.scaler.load_state_dict(state["loss_scaler"])
+    engine.comm.barrier()
+
+
+def read_client_state(directory: str | os.PathLike, tag: str | None = None
+                      ) -> dict[str, Any] | None:
+    """The client state saved with a checkpoint (None if none was), without an engine: the
+    checkpoint is checked as for loading and the file's sha256 verified first."""
+    reader = CheckpointReader(resolve(directory, tag))
+    return _load_client_state(reader.path, reader.manifest, verify=reader)
+
+
+def _load_client_state(path: Path, manifest: dict[str, Any],
+                       verify: CheckpointReader | None = None) -> dict[str, Any] | None:
+    """The client state, unpickled only with ``weights_only=True`` (tensors and plain
+    containers; no code runs), from a file listed in the manifest with its sha256 (verified
+    here when ``verify`` is given, else by the caller)."""
+    if not manifest.get("client_state"):
+        return None
+    file = path / CLIENT_FILE
+    problems = verify.verify([CLIENT_FILE]) if verify is not None else []
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # unpickling refused or a damaged file
+        raise CheckpointError(f"{file}: cannot be loaded with weights_only=True "
+                              f"({refusal(e)})") from e
+
+
+# ------------------------------------------------------------------------ consolidation
+def consolidate(directory: str | os.PathLike, *, tag: str | None = None,
+                dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint as a plain ``model.state_dict()`` (loads with ``strict=True``)."""
+    reader = CheckpointReader(resolve(directory, tag))
+    reader.verify_all()
+    return {key: load_fn() for key, load_fn, _, _ in reader.entries(dtype)}
+
+
+def write_consolidated(directory: str | os.PathLike, out: str | os.PathLike, *,
+                       tag: str | None = None, dtype: torch.dtype | None = None) -> Path:
+    """Stream the consolidated state dict into a safetensors file, one tensor at a time: peak
+    memory is the largest tensor, not the model. A failed write leaves no partial file."""
+    reader = CheckpointReader(resolve(directory, tag))
+    reader.verify_all()
+    entries = list(reader.entries(dtype))
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": str(reader.path)}}
+    offset = 0
+    for key, _, shape, dt in entries:
+        nbytes = torch.Size(shape).numel() * dt.itemsize
+        header[key] = {"dtype": ST_DTYPES[dt], "shape": list(shape),
+                       "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # tensor data 8-byte aligned, as safetensors writes it
+    target = Path(out)
+    with atomic_file(target) as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for _, load_fn, _, _ in entries:
+            tensor = load_fn().contiguous()
+            f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+            del tensor
+    return target
+
+
+__all__ = ["CLIENT_FILE", "CheckpointReader", "consolidate", "load", "read_client_state",
+           "resolve", "write_consolidated"]

@@ -1,0 +1,601 @@
+"""Every `torch.distributed` call of the package, behind one small class.
+
+Keeping the collectives here means one place counts the bytes each rank moves (the sweep report
+shows them), one place knows which backend quirks exist, and one place bounds how long a rank
+waits for the others: a stalled or lost peer becomes an error naming the collective and the
+step instead of a silent hang.
+
+The quirk that matters most on a CPU: gloo's flat all-gather receives into a temporary buffer
+of the whole output and copies it out, and its reduce-scatter clones the whole input and
+all-reduces it (twice the bytes of a reduce-scatter) before copying one slice out. For host
+tensors under gloo both are therefore done here as direct exchanges between each pair of
+ranks (gloo's send/recv read and write the tensors themselves): an all-gather sends this
+rank's shard to every peer and receives each peer's into its slice of the output; a
+reduce-scatter sends every peer its slice of the input, receives this rank's slice from each
+peer (the first one straight into the output, the others into scratch memory) and adds them up
+in a fixed order. Same bytes as the ring algorithms,
+no temporary of the whole buffer, half the traffic of gloo's reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections import Counter
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from . import int8
+
+# torch 2.13 renamed the flat collectives; older releases (>= 2.4) only have the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed on this rank (a peer died, or the group broke); the message names
+    the collective, the training step and the rank."""
+
+
+class CollectiveTimeout(CollectiveError):
+    """A collective did not complete within ``ZeroConfig.timeout``: some rank stopped
+    responding (stalled, killed, or running different code)."""
+
+
+_INSTANCES: Counter[tuple[int, ...]] = Counter()
+"""Communicators built so far in this process, by their ranks."""
+
+
+def group_is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def group_size() -> int:
+    """World size of the default group (1 when none exists)."""
+    return dist.get_world_size() if group_is_initialized() else 1
+
+
+def backend_for(backend: str, device_type: str) -> str | None:
+    """The backend a group named ``backend`` uses for tensors on ``device_type``, or None when
+    it has none. Torch names a group either by one backend ("gloo", "nccl") or by a map
+    ("cpu:gloo,cuda:nccl")."""
+    if ":" in backend:
+        pairs = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+        return pairs.get(device_type)
+    if backend == "nccl":
+        return backend if device_type == "cuda" else None
+    if backend == "gloo":
+        return backend if device_type in ("cpu", "cuda") else None
+    return backend  # mpi, ucc, vendor backends: their own checks apply
+
+
+def default_device(backend: str) -> torch.device:
+    """Where a model built on the meta device is materialised: the current CUDA device when
+    the group names a backend for CUDA tensors ("nccl", "cpu:gloo,cuda:nccl", "cuda:gloo")
+    and a GPU exists, else the CPU (plain "gloo" serves both and means CPU training)."""
+    names_cuda = backend != "gloo" and backend_for(backend, "cuda") is not None
+    if names_cuda and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_single_process_group(device: torch.device) -> None:
+    """A group of one, for a script run without a launcher (no rendezvous needed)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def init_restartable_group(backend: str, timeout: float) -> bool:
+    """Create the default group of a worker started by torchrun's elastic agent with its
+    rendezvous keys under the attempt number; False (nothing done) outside such a launch or
+    when a group exists.
+
+    With the static rendezvous (``accelerate launch``'s), the agent's store outlives a failed
+    attempt and torch keys the default group by name only, so the workers of a restarted
+    attempt read the dead workers' addresses and fail or hang connecting
+    (pytorch/pytorch#135712)."""
+    env = os.environ
+    if (group_is_initialized() or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            or "TORCHELASTIC_RESTART_COUNT" not in env):
+        return False
+    world, wait = int(env["WORLD_SIZE"]), timedelta(seconds=timeout)
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False,
+                          timeout=wait)
+    attempt = dist.PrefixStore(f"zero_strategy/attempt_{env['TORCHELASTIC_RESTART_COUNT']}",
+                               store)
+    dist.init_process_group(backend, store=attempt, rank=int(env["RANK"]), world_size=world,
+                            timeout=wait)
+    return True
+
+
+def destroy_default_group() -> None:
+    if group_is_initialized():
+        dist.destroy_process_group()
+
+
+def group_timeout(group: dist.ProcessGroup | None) -> float | None:
+    """Seconds the group (default: the world) was created with, ``init_process_group``'s or
+    ``new_group``'s ``timeout=`` or the backend's default; None where the backend does not
+    say (torch keeps it in each backend's options)."""
+    pg = group if group is not None else dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
+
+
+class Handle(Protocol):
+    def wait(self) -> object: ...
+
+
+class _Done:
+    """The handle of a collective that ran synchronously (one rank, nothing to wait for)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class _Pending:
+    """An asynchronous collective; ``wait()`` is bounded by the communicator's timeout and
+    turns a failure into an error naming the collective."""
+
+    def __init__(self, comm: Communicator, work: Any, op: str) -> None:
+        self.comm, self.work, self.op = comm, work, op
+
+    def wait(self) -> bool:
+        self.comm.wait(self.work, self.op)
+        return True
+
+
+class _Exchange:
+    """Point-to-point sends and receives that together make one collective; ``wait()`` waits
+    for all of them (bounded like any collective), then runs ``finish`` once."""
+
+    def __init__(self, comm: Communicator, works: list[Any], op: str,
+                 finish: Callable[[], None] | None = None) -> None:
+        self.comm, self.works, self.op, self.finish = comm, works, op, finish
+
+    def wait(self) -> bool:
+        works, self.works = self.works, []
+        for work in works:
+            self.comm.wait(work, self.op)
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            finish()
+        return True
+
+
+Scratch = Callable[[int, torch.dtype], torch.Tensor]
+"""Lends a 1-D tensor of (numel, dtype) for a collective's receive buffer."""
+
+Release = Callable[[torch.Tensor], None]
+
+# Tags of the direct exchanges: each kind of collective matches its sends and receives on its
+# own tag, in the order every rank issues them.
+_GATHER_TAG, _REDUCE_TAG = 11, 12
+
+
+class Communicator:
+    """Collectives over one process group (the default group unless one is given).
+
+    Every tensor handed to a collective must be on ``device`` (the engine's compute device):
+    a host tensor in an nccl collective fails only on a GPU, at N >= 2, so the check is made
+    here, on every backend, where a CPU test can see it.
+
+    ``timeout`` (seconds) bounds every wait under gloo, whose own default is 30 minutes and
+    cannot be changed for a group someone else created. Under nccl a bounded ``wait`` would
+    block the host until the GPU finishes (no more overlap), so there the process group's own
+    timeout applies (its watchdog aborts a stuck collective; the adapters create the group
+    with ``ZeroConfig.timeout``). ``step`` tells errors which training step they happened in.
+
+    Byte counts follow the ring convention: what each rank sends for the operation.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, timeout: float | None = None,
+                 step: Callable[[], int] | None = None) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "zero_strategy needs an initialised process group: call "
+                "torch.distributed.init_process_group('gloo' or 'nccl') before building a "
+                "ZeroEngine (a single process can use world_size=1)"
+            )
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend = str(dist.get_backend(group))
+        self.device = default_device(self.backend)
+        own = group_timeout(group)
+        # The stricter of the engine's bound and the one the user gave their group: a group
+        # created with timeout=10 s means 10 s, not ZeroConfig's default.
+        self.timeout_s = min((t for t in (timeout, own) if t is not None), default=None)
+        stricter = own is not None and (timeout is None or own < timeout)
+        self._timeout_source = "the process group's timeout" if stricter else "ZeroConfig.timeout"
+        self._wait_timeout = (timedelta(seconds=self.timeout_s)
+                              if self.timeout_s is not None and self.backend == "gloo" else None)
+        self._step = step
+        self.bytes_sent: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()
+        self._scratch: tuple[Scratch, Release] | None = None
+        self._peers = [dist.get_global_rank(group, r) if group is not None else r
+                       for r in range(self.world_size)]
+        # Every rank builds its communicators in the same order: the count names this one
+        # alike on all of them, for keys in the rendezvous store (``agree_max``).
+        _INSTANCES[tuple(self._peers)] += 1
+        self._store_prefix = (f"zero_strategy/{'-'.join(map(str, self._peers))}/"
+                              f"{_INSTANCES[tuple(self._peers)]}")
+        self._agreements = 0
+
+    def agree_max(self, value: int) -> int:
+        """The largest ``value`` over this group's ranks, agreed through the rendezvous store
+        instead of the group: usable while the group holds operations some rank never
+        matched (a pass cut short), behind which a collective would wait."""
+        if self.world_size == 1:
+            return value
+        self._agreements += 1
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"{self._store_prefix}/agree{self._agreements}"
+        store.set(f"{prefix}/{self.rank}", str(value))
+        keys = [f"{prefix}/{r}" for r in range(self.world_size)]
+        try:
+            store.wait(keys, timedelta(seconds=self.timeout_s or 600.0))
+        except RuntimeError as e:
+            raise self._error("agree (store)", e) from e
+        return max(int(store.get(k)) for k in keys)
+
+    def split(self, group_size: int) -> tuple[Communicator, Communicator]:
+        """Hybrid sharding: (this rank's shard group of ``group_size`` consecutive ranks, its
+        replica group of the ranks at the same place in every shard group). Every rank of this
+        communicator calls it; each creates just its two groups, which only their members
+        synchronise on (ranks outside this communicator take no part)."""
+        n = self.world_size
+        if group_size > n or n % group_size:
+            raise ValueError(f"shard_group_size={group_size} must divide the world size {n} "
+                             f"(allowed: {[k for k in range(1, n + 1) if n % k == 0]})")
+        start = self.rank - self.rank % group_size
+        block = self._peers[start : start + group_size]
+        column = self._peers[self.rank % group_size :: group_size]
+        timeout = timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None
+        groups = [dist.new_group(ranks, backend=self.backend, timeout=timeout,
+                                 use_local_synchronization=True) for ranks in (block, column)]
+        shards, replicas = (Communicator(g, timeout=self.timeout_s, step=self._step)
+                            for g in groups)
+        for comm in (shards, replicas):
+            comm.device = self.device
+            comm._scratch = self._scratch
+        return shards, replicas
+
+    def use_scratch(self, take: Scratch, give: Release) -> None:
+        """Where receive buffers of the direct exchanges come from and go back to (the
+        engine's buffer pool); without, they are allocated per call."""
+        self._scratch = (take, give)
+
+    @property
+    def _direct(self) -> bool:
+        """Host tensors under gloo: gather and reduce-scatter as direct exchanges."""
+        return (self.world_size > 1 and self.device.type == "cpu"
+                and backend_for(self.backend, "cpu") == "gloo")
+
+    def use_device(self, device: torch.device) -> None:
+        """Communicate tensors on ``device`` (the compute device); refuses a device the
+        group's backend has no communicator for."""
+        if backend_for(self.backend, device.type) is None:
+            raise ValueError(
+                f"the process group's backend {self.backend!r} cannot communicate {device.type} "
+                f"tensors, but the model is on {device}: move the model to a device the backend "
+                "serves (nccl: cuda), or create the group with a backend for it (gloo for CPU, "
+                "or 'cpu:gloo,cuda:nccl')")
+        self.device = device
+
+    def _check(self, op: str, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            if t.device.type != self.device.type:
+                raise ValueError(
+                    f"collective {op}: a tensor on {t.device} was handed to a group that "
+                    f"communicates on {self.device} ({self.backend}); copy it to {self.device} "
+                    "first (host-side values such as an offloaded gradient norm included)")
+
+    def _count(self, op: str, nbytes: float) -> None:
+        self.bytes_sent[op] += int(nbytes)
+        self.calls[op] += 1
+
+    def _fraction(self) -> float:
+        return (self.world_size - 1) / self.world_size
+
+    # ---------------------------------------------------------------- waiting
+    def wait(self, work: Any, op: str) -> None:
+        """Wait for ``work`` (collective ``op``) at most the timeout; raise naming it."""
+        try:
+            if self._wait_timeout is None:
+                work.wait()
+            else:
+                work.wait(self._wait_timeout)
+        except RuntimeError as e:
+            raise self._error(op, e) from e
+
+    def _error(self, op: str, cause: Exception) -> CollectiveError:
+        where = "outside training"
+        if self._step is not None:
+            try:
+                where = f"at step {self._step()}"
+            except AttributeError:  # raised while the engine is still being built
+                where = "while building the engine"
+        timed_out = "timed out" in str(cause).lower() or "timeout" in str(cause).lower()
+        what = (f"did not complete within {self.timeout_s:g} s ({self._timeout_source})"
+                if timed_out and self.timeout_s is not None else "failed")
+        kind = CollectiveTimeout if timed_out else CollectiveError
+        first_line = (str(cause).splitlines() or [""])[0][:200]
+        return kind(
+            f"collective {op} {what} {where} on rank {self.rank} of {self.world_size} "
+            f"({self.backend}): another rank stopped responding (stalled, killed, or running "
+            f"different code) [{type(cause).__name__}: {first_line}]")
+
+    def _finish(self, work: Any, op: str, async_op: bool) -> Handle:
+        if async_op:
+            return _Pending(self, work, op)
+        self.wait(work, op)
+        return _Done()
+
+    # ---------------------------------------------------------------- collectives
+    def all_reduce(self, tensor: torch.Tensor, *, async_op: bool = False) -> Handle:
+        """Sum in place over ranks."""
+        self._check("all_reduce", tensor)
+        self._count("all_reduce", 2 * tensor.nbytes * self._fraction())
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        return self._finish(work, "all_reduce", async_op)
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._check("all_reduce(max)", tensor)
+        self._count("all_reduce", 2 * tensor.nbytes * self._fraction())
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self.wait(work, "all_reduce(max)")
+        return tensor
+
+    def reduce_scatter(
+        self, output: torch.Tensor, flat_input: torch.Tensor, *, async_op: bool = False
+    ) -> Handle:
+        """Sum ``flat_input`` over ranks; rank r receives the r-th equal slice in ``output``."""
+        self._check("reduce_scatter", output, flat_input)
+        self._count("reduce_scatter", flat_input.nbytes * self._fraction())
+        if self._direct:
+            return self._reduce_scatter_direct(output, flat_input, async_op)
+        group = self.group if self.group is not None else dist.group.WORLD
+        if self._wait_timeout is not None and hasattr(group, "_reduce_scatter_base"):
+            # gloo's reduce-scatter work ignores wait(timeout) and would block for the
+            # group's own timeout (30 minutes by default): the op carries the timeout itself.
+            opts = dist.ReduceScatterOptions()
+            opts.reduceOp, opts.timeout, opts.asyncOp = dist.ReduceOp.SUM, self._wait_timeout, True
+            work = group._reduce_scatter_base(output, flat_input, opts)
+        else:
+            work = _reduce_scatter(output, flat_input, group=self.group, async_op=True)
+        return self._finish(work, "reduce_scatter", async_op)
+
+    def all_gather(
+        self, flat_output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False
+    ) -> Handle:
+        """Concatenate every rank's ``shard`` into ``flat_output`` (rank order)."""
+        self._check("all_gather", flat_output, shard)
+        self._count("all_gather", flat_output.nbytes * self._fraction())
+        if self._direct:
+            return self._all_gather_direct(flat_output, shard, async_op)
+        work = _all_gather(flat_output, shard, group=self.group, async_op=True)
+        return self._finish(work, "all_gather", async_op)
+
+    def _all_gather_direct(self, flat_output: torch.Tensor, shard: torch.Tensor,
+                           async_op: bool) -> Handle:
+        rows = flat_output.view(self.world_size, -1)
+        if rows[self.rank].data_ptr() != shard.data_ptr():
+            rows[self.rank].copy_(shard)
+        return self._finish_exchange(_Exchange(self, self._gather_rows(rows), "all_gather"),
+                                     async_op)
+
+    def _gather_rows(self, rows: torch.Tensor) -> list[Any]:
+        """Start filling every row of ``rows`` (one per rank) with that rank's own row, which
+        is already in place here; uncounted (the callers count what they send)."""
+        if not self._direct:
+            return [_all_gather(rows.view(-1), rows[self.rank], group=self.group,
+                                async_op=True)]
+        works = []
+        for r in range(self.world_size):
+            if r != self.rank:
+                works.append(dist.isend(rows[self.rank], self._peers[r], group=self.group,
+                                        tag=_GATHER_TAG))
+                works.append(dist.irecv(rows[r], self._peers[r], group=self.group,
+                                        tag=_GATHER_TAG))
+        return works
+
+    def _reduce_scatter_direct(self, output: torch.Tensor, flat_input: torch.Tensor,
+                               async_op: bool) -> Handle:
+        if _overlaps(output, flat_input):
+            raise ValueError("reduce_scatter: the output must not alias the input")
+        pieces = flat_input.view(self.world_size, -1)
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        # The first peer's piece lands in ``output`` itself; only the others need scratch
+        # (none on two ranks).
+        take, give = self._lender()
+        scratch = take((len(peers) - 1) * output.numel(), output.dtype) if peers[1:] else None
+        targets = [output] + (list(scratch.view(len(peers) - 1, -1)) if scratch is not None
+                              else [])
+        works = []
+        for peer, target in zip(peers, targets):
+            works.append(dist.isend(pieces[peer], self._peers[peer], group=self.group,
+                                    tag=_REDUCE_TAG))
+            works.append(dist.irecv(target, self._peers[peer], group=self.group,
+                                    tag=_REDUCE_TAG))
+
+        def finish() -> None:  # peers in rank order, then this rank: the same order every step
+            for target in targets[1:]:
+                output.add_(target)
+            output.add_(pieces[self.rank])
+            if scratch is not None:
+                give(scratch)
+
+        return self._finish_exchange(_Exchange(self, works, "reduce_scatter", finish), async_op)
+
+    def _lender(self) -> tuple[Scratch, Release]:
+        """Where receive and encode buffers come from: the engine's pool, else fresh."""
+        if self._scratch is not None:
+            return self._scratch
+        return (lambda numel, dtype: torch.empty(numel, dtype=dtype, device=self.device),
+                lambda tensor: None)
+
+    def _finish_exchange(self, exchange: _Exchange, async_op: bool) -> Handle:
+        if not async_op:
+            exchange.wait()
+            return _Done()
+        return exchange
+
+    # ---------------------------------------------------------------- int8 on the wire
+    def all_gather_int8(self, flat_output: torch.Tensor, shard: torch.Tensor, *,
+                        async_op: bool = False) -> Handle:
+        """``all_gather`` sending block-wise int8 (``int8.py``); every piece of the output,
+        this rank's too, holds the decoded values, so all ranks compute with the same ones."""
+        self._check("all_gather", flat_output, shard)
+        n, nb = self.world_size, int8.blocks(shard.numel())
+        take, give = self._lender()
+        payload = take(n * nb * int8.BLOCK, torch.int8).view(n, -1)
+        scales = take(n * nb, torch.float32).view(n, -1)
+        scratch = take(int8.scratch_numel(shard.numel(), shard.device), torch.float32)
+        int8.encode(shard, payload[self.rank], scales[self.rank], scratch)
+        give(scratch)
+        self._count("all_gather", (n - 1) * (payload[0].nbytes + scales[0].nbytes))
+        works = self._gather_rows(payload) + self._gather_rows(scales) if n > 1 else []
+
+        def finish() -> None:
+            for row, out in zip(range(n), flat_output.view(n, -1)):
+                int8.decode(payload[row], scales[row], out)
+            give(payload)
+            give(scales)
+
+        return self._finish_exchange(_Exchange(self, works, "all_gather", finish), async_op)
+
+    def reduce_scatter_int8(self, output: torch.Tensor, flat_input: torch.Tensor, *,
+                            async_op: bool = False) -> Handle:
+        """``reduce_scatter`` sending block-wise int8: every peer's slice goes to it encoded
+        (one all-to-all); the slices received are decoded and summed in fp32, this rank's
+        own exact slice first, then the peers' in rank order."""
+        self._check("reduce_scatter", output, flat_input)
+        if _overlaps(output, flat_input):
+            raise ValueError("reduce_scatter: the output must not alias the input")
+        n, k = self.world_size, output.numel()
+        pieces = flat_input.view(n, -1)
+        if n == 1:
+            output.copy_(pieces[0])
+            return _Done()
+        nb = int8.blocks(k)
+        take, give = self._lender()
+        sent = [take(n * nb * int8.BLOCK, torch.int8), take(n * nb, torch.float32)]
+        got = [take(t.numel(), t.dtype) for t in sent]
+        scratch = take(int8.scratch_numel(k, output.device), torch.float32)
+        for r in range(n):
+            if r != self.rank:  # this rank's row is not sent: its slice stays exact
+                int8.encode(pieces[r], sent[0].view(n, -1)[r], sent[1].view(n, -1)[r],
+                                scratch)
+        give(scratch)
+        self._count("reduce_scatter", (n - 1) * (sent[0].nbytes + sent[1].nbytes) // n)
+        works = [dist.all_to_all_single(g, s, group=self.group, async_op=True)
+                 for g, s in zip(got, sent)]
+
+        def finish() -> None:
+            total = output if output.dtype == torch.float32 else take(k, torch.float32)
+            values = take(int8.scratch_numel(k, output.device), torch.float32)
+            total.copy_(pieces[self.rank])
+            for r in range(n):
+                if r != self.rank:
+                    int8.decode_add(got[0].view(n, -1)[r], got[1].view(n, -1)[r], total,
+                                        values)
+            if total is not output:
+                output.copy_(total)
+                give(total)
+            for t in (values, *sent, *got):
+                give(t)
+
+        return self._finish_exchange(_Exchange(self, works, "reduce_scatter", finish), async_op)
+
+    def all_to_all(self, send: torch.Tensor, send_counts: list[int],
+                   recv_counts: list[int]) -> torch.Tensor:
+        """Rank r's ``send[sum(send_counts[:k]):...]`` goes to rank k; returns what every rank
+        sent here, in rank order (``recv_counts[k]`` elements from rank k)."""
+        self._check("all_to_all", send)
+        out = torch.empty(sum(recv_counts), dtype=send.dtype, device=send.device)
+        self._count("all_to_all", (send.numel() - send_counts[self.rank]) * send.element_size())
+        if self.world_size == 1:
+            out.copy_(send)
+            return out
+        work = dist.all_to_all_single(out, send, recv_counts, send_counts, group=self.group,
+                                      async_op=True)
+        self.wait(work, "all_to_all")
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Rank ``src`` of this group sends ``tensor`` to every rank, in place."""
+        self._check("broadcast", tensor)
+        self._count("broadcast", tensor.nbytes)
+        work = dist.broadcast(tensor, group=self.group, async_op=True,
+                              src=dist.get_global_rank(self.group, src) if self.group else src)
+        self.wait(work, "broadcast")
+
+    def broadcast_coalesced(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Broadcast many small tensors as one flat message per dtype."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            self.broadcast(flat, src)
+            offset = 0
+            for t in group:
+                t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (a blocking round trip of 8 bytes per value and rank)."""
+        mine = torch.tensor(values, dtype=torch.int64, device=self.device)
+        out = torch.empty(self.world_size * len(values), dtype=torch.int64, device=self.device)
+        self.all_gather(out, mine)
+        return out.view(self.world_size, -1).tolist()
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        """Every rank's ``obj`` (picklable), in rank order. Peers are the job's own processes,
+        as with ``torch.distributed.all_gather_object``; not counted in ``bytes_sent``."""
+        if self.world_size == 1:
+            return [pickle.loads(pickle.dumps(obj))]
+        device = self.device
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+        sizes = torch.empty(self.world_size, dtype=torch.int64, device=device)
+        self.wait(_all_gather(sizes, size, group=self.group, async_op=True), "all_gather_object")
+        longest = int(sizes.max())
+        padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+        padded[: data.numel()] = data
+        out = torch.empty(longest * self.world_size, dtype=torch.uint8, device=device)
+        self.wait(_all_gather(out, padded, group=self.group, async_op=True), "all_gather_object")
+        blobs = out.cpu().view(self.world_size, longest)
+        return [pickle.loads(blobs[r, : int(n)].numpy().tobytes())
+                for r, n in enumerate(sizes.tolist())]
+
+    def barrier(self) -> None:
+        self.wait(dist.barrier(group=self.group, async_op=True), "barrier")
+
+    def failures(self, error: str | None) -> list[tuple[int, str]]:
+        """Agree on whether a local step (writing a file, validating) succeeded everywhere:
+        every rank passes its error (None when fine) and gets every rank's, so all ranks raise
+        together instead of the healthy ones waiting for a peer that gave up."""
+        errors = [error] if self.world_size == 1 else self.all_gather_object(error)
+        return [(r, str(e)) for r, e in enumerate(errors) if e is not None]
+
+    def snapshot(self) -> dict[str, int]:
+        """Bytes sent so far per operation, plus the total."""
+        out = dict(self.bytes_sent)
+        out["total"] = sum(self.bytes_sent.values())
+        return out

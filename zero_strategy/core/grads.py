@@ -1,0 +1,263 @@
+"""Where a unit's gradients accumulate and how they are reduced, one class per stage layout.
+
+The plan picks the class once; the backward pass only ever calls ``accumulate``,
+``launch_reduce``, ``finish_reduce`` and ``zero``, so no hot path asks which stage it is in.
+Every reduction divides the local gradient by the world size before summing over ranks (as
+DDP does): summed first, an fp16 gradient at a loss scale of 2**16 overflows on 8 ranks
+(``reduce_dtype="compute"``), and dividing by a power of two is exact, so nothing is lost.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from ..comm.collectives import Communicator, Handle
+from .buffers import BufferPool
+from .flat import FlatLayout
+
+
+class GradStore(ABC):
+    """Common interface; ``grad_shard`` is the reduced gradient of this rank's optimizer shard."""
+
+    layout: FlatLayout
+    grad_shard: torch.Tensor
+
+    def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype, device: torch.device,
+                 pool: BufferPool, int8: bool = False, replicas: Communicator | None = None):
+        self.layout = layout
+        self.rank = rank
+        self.dtype = dtype
+        self.device = device
+        self.pool = pool
+        self.int8 = int8
+        """Reduce-scatters go over the wire as block-wise int8 (``comm/int8.py``)."""
+        self.replicas = replicas
+        """Hybrid sharding: the ranks holding the same shard; each reduced shard is summed
+        across them, so a gradient is divided by every rank of the world, not of the group."""
+        self._pending: tuple[Handle, torch.Tensor | None] | None = None
+
+    def _local_view(self, buf: torch.Tensor, index: int) -> torch.Tensor:
+        slot = self.layout.slots[index]
+        return buf[slot.offset : slot.end].view(slot.shape)
+
+    @abstractmethod
+    def accumulate(self, index: int, grad: torch.Tensor) -> None:
+        """Add one parameter's local gradient (any float dtype) into the local buffer."""
+
+    @abstractmethod
+    def launch_reduce(self, comm: Communicator) -> None:
+        """Start the asynchronous reduction of the local buffer."""
+
+    @abstractmethod
+    def finish_reduce(self) -> None:
+        """Wait for the reduction and leave the averaged result in ``grad_shard``."""
+
+    @abstractmethod
+    def zero(self) -> None:
+        """Forget all gradients (after the optimizer step)."""
+
+    @abstractmethod
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Tensors this store holds now, for memory accounting."""
+
+    def _ranks(self, comm: Communicator) -> int:
+        """Every rank contributing to a reduced gradient: the average is taken over them."""
+        return comm.world_size * (self.replicas.world_size if self.replicas else 1)
+
+    def _reduce_scatter(self, comm: Communicator, out: torch.Tensor,
+                        local: torch.Tensor) -> Handle:
+        reduce = comm.reduce_scatter_int8 if self.int8 else comm.reduce_scatter
+        return reduce(out, local, async_op=True)
+
+    def _across_replicas(self, reduced: torch.Tensor) -> None:
+        """Hybrid sharding: add the other replicas' reductions of this shard (the only
+        traffic between shard groups)."""
+        if self.replicas is not None:
+            self.replicas.all_reduce(reduced)
+
+    def wait(self) -> torch.Tensor | None:
+        handle, out = self._pending if self._pending else (None, None)
+        if handle is not None:
+            handle.wait()
+        self._pending = None
+        return out
+
+
+class AllReducedGrads(GradStore):
+    """Stage 0: every rank keeps the full gradient and all-reduces it (data parallel)."""
+
+    def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype, device: torch.device,
+                 pool: BufferPool, int8: bool = False, replicas: Communicator | None = None):
+        super().__init__(layout, rank, dtype, device, pool, int8, replicas)
+        self.buffer = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+        self.grad_shard = self.buffer
+
+    def accumulate(self, index: int, grad: torch.Tensor) -> None:
+        self._local_view(self.buffer, index).add_(grad)
+
+    def launch_reduce(self, comm: Communicator) -> None:
+        # An averaged gradient is identical on every rank, so a second backward before the
+        # step (without no_sync) still averages to the right sum, as with DDP.
+        self.buffer.div_(comm.world_size)
+        self._pending = (comm.all_reduce(self.buffer, async_op=True), None)
+
+    def finish_reduce(self) -> None:
+        self.wait()
+
+    def zero(self) -> None:
+        self.buffer.zero_()
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return [self.buffer]
+
+
+class ScatteredFullGrads(GradStore):
+    """Stage 1: full-size local gradients; each rank receives only its shard reduced.
+
+    Between reductions the non-owned part is zeroed, and before new local gradients are added
+    the owned (averaged) part is turned back into a sum, so several backward passes per step
+    reduce to the same result as one.
+    """
+
+    def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype, device: torch.device,
+                 pool: BufferPool, int8: bool = False, replicas: Communicator | None = None):
+        super().__init__(layout, rank, dtype, device, pool, int8, replicas)
+        self.buffer = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+        self._bounds = layout.shard_bounds(rank)
+        self.grad_shard = self.buffer[self._bounds[0] : self._bounds[1]]
+        self._holds_average = False
+        self._world_size = 1
+
+    def accumulate(self, index: int, grad: torch.Tensor) -> None:
+        if self._holds_average:
+            self.grad_shard.mul_(self._world_size)
+            self._holds_average = False
+        self._local_view(self.buffer, index).add_(grad)
+
+    def launch_reduce(self, comm: Communicator) -> None:
+        # Not straight into ``grad_shard``: it is a slice of the input being reduced.
+        out = self.pool.take(self.grad_shard.numel(), self.dtype)
+        self._world_size = self._ranks(comm)  # what the average is taken over
+        self.buffer.div_(self._world_size)
+        self._pending = (self._reduce_scatter(comm, out, self.buffer), out)
+
+    def finish_reduce(self) -> None:
+        reduced = self.wait()
+        assert reduced is not None
+        self._across_replicas(reduced)
+        lo, hi = self._bounds
+        self.buffer[:lo].zero_()  # the owned part is overwritten: no pass over it
+        self.buffer[hi:].zero_()
+        self.grad_shard.copy_(reduced)
+        self.pool.give(reduced)
+        self._holds_average = True
+
+    def zero(self) -> None:
+        # Holding the average, the buffer is zero outside the shard (``finish_reduce`` made it
+        # so and nothing was added since): one pass over 1/N instead of the whole buffer,
+        # every step.
+        if self._holds_average:
+            self.grad_shard.zero_()
+        else:
+            self.buffer.zero_()
+        self._holds_average = False
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return [self.buffer]
+
+
+class ShardedGrads(GradStore):
+    """Stages 2-3: a full-size buffer exists only between the first local gradient and its
+    reduce-scatter (memory from the pool); afterwards each rank holds just its reduced shard
+    (allocated at the first reduction, so building the engine allocates no gradient memory).
+    The first reduction after ``zero`` lands in the shard itself; later ones (several
+    synchronised backward passes per step) go through a pooled buffer and are added.
+
+    A unit of one parameter whose gradient fills the padded buffer exactly (most stage-3
+    units: one weight matrix) reduces autograd's gradient tensor itself instead of a copy:
+    autograd hands each ``.grad`` over exclusively (it steals an unshared result or clones),
+    and the runtime drops the parameter's reference right after."""
+
+    def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype, device: torch.device,
+                 pool: BufferPool, int8: bool = False, replicas: Communicator | None = None):
+        super().__init__(layout, rank, dtype, device, pool, int8, replicas)
+        self._shard: torch.Tensor | None = None
+        self._summed = False
+        """Whether ``_shard`` holds a reduced gradient (else zeros, or nothing yet)."""
+        self.local: torch.Tensor | None = None
+        self._adopted = False
+        """Whether ``local`` is a gradient autograd produced (not pool memory)."""
+        self._adoptable = len(layout.slots) == 1 and layout.numel == layout.padded_numel
+
+    @property  # type: ignore[override]
+    def grad_shard(self) -> torch.Tensor:
+        if self._shard is None:
+            self._shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype,
+                                      device=self.device)
+        return self._shard
+
+    def _take_local(self) -> torch.Tensor:
+        self.local = self.pool.take(self.layout.padded_numel, self.dtype).zero_()
+        return self.local
+
+    def accumulate(self, index: int, grad: torch.Tensor) -> None:
+        if self.local is None and self._adoptable and self._owns_storage(grad):
+            self.local, self._adopted = grad.view(-1), True
+            return
+        local = self.local if self.local is not None else self._take_local()
+        self._local_view(local, index).add_(grad)
+
+    def _owns_storage(self, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` is a whole dense tensor of the reduce dtype alone in its storage,
+        so dividing it in place changes nothing another tensor shows. Autograd already clones
+        a gradient it cannot hand over (one a user retained, say); this keeps the reduction
+        from dividing memory it does not own should a gradient still arrive as a view."""
+        return (grad.dtype == self.dtype and grad.device == self.device
+                and grad.layout == torch.strided and grad.is_contiguous()
+                and not grad._is_view() and grad.storage_offset() == 0
+                and grad.untyped_storage().nbytes() == grad.nbytes)
+
+    def _drop_local(self) -> None:
+        if self.local is not None and not self._adopted:
+            self.pool.give(self.local)
+        self.local, self._adopted = None, False
+
+    def launch_reduce(self, comm: Communicator) -> None:
+        # Nothing reached this unit on this rank: it still contributes (zeros).
+        local = self.local if self.local is not None else self._take_local()
+        out = (self.pool.take(self.layout.shard_numel, self.dtype) if self._summed
+               else self.grad_shard)
+        local.div_(self._ranks(comm))
+        self._pending = (self._reduce_scatter(comm, out, local), out)
+
+    def finish_reduce(self) -> None:
+        reduced = self.wait()
+        assert reduced is not None and self.local is not None
+        self._across_replicas(reduced)  # only this reduction: earlier ones were summed already
+        if reduced is not self._shard:
+            self.grad_shard.add_(reduced)
+            self.pool.give(reduced)
+        self._summed = True
+        self._drop_local()
+
+    def zero(self) -> None:
+        in_flight = self.wait()  # a pass cut short may have left a reduction running
+        if in_flight is not None and in_flight is not self._shard:
+            self.pool.give(in_flight)
+        if self._shard is not None:
+            self._shard.zero_()
+        self._summed = False
+        self._drop_local()  # partial sums of such a pass
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        held = [t for t in (self._shard, self.local) if t is not None]
+        return held
+
+
+GRAD_STORES: dict[str, type[GradStore]] = {
+    "all_reduce": AllReducedGrads,
+    "reduce_scatter_full": ScatteredFullGrads,
+    "reduce_scatter_sharded": ShardedGrads,
+}

@@ -1,0 +1,428 @@
+"""A unit's parameters: the compute copy the module sees, and the master shard the optimizer owns.
+
+Replicated stores (stages 0-2, and stage 3's small persistent parameters) point the module's
+parameters at views of one flat compute buffer that exists for good. With several optimizer
+shards they are GATHERING from ``after_step`` (the all-gather of every rank's updated slice
+runs in the background) until ``finish_unshard`` waited for it, UNSHARDED otherwise.
+
+The sharded store (stage 3) is a state machine over the unit's whole compute copy, and it is
+the only code that changes what the module's parameters hold:
+
+    SHARDED --start_unshard--> GATHERING --finish_unshard--> UNSHARDED --reshard--> SHARDED
+
+- SHARDED: the flat buffer's memory is back in the engine's pool (``buffers.py``), its storage
+  object empty; every parameter holds a placeholder of
+  its full shape expanded from one NaN element (never a tensor over freed memory): shapes and
+  ``numel()`` stay right for code that inspects them (Lightning's ModelSummary), a stray read
+  computes NaN instead of reading freed memory, and a write raises (its elements alias).
+- GATHERING: an all-gather is writing the buffer; parameters still hold the placeholder.
+- UNSHARDED: parameters are views of the gathered buffer. Tensors autograd saved during
+  forward alias the buffer's storage object, which is lent memory rather than replaced, so
+  they see the re-gathered values in backward.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from ..comm.collectives import Communicator, Handle
+from ..offload.transfers import Copy, Transfers
+from .buffers import BufferPool
+from .flat import FlatLayout
+from .precision import PrecisionPolicy
+from .storage import alias_count
+
+
+class ParamState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    UNSHARDED = "unsharded"
+
+
+class Placement:
+    """Where the master shard and (stage 3) the at-rest parameter shard live, the transfers
+    that move offloaded ones, and the pool lending memory to gathered buffers.
+
+    Offloading takes effect only where host memory is apart from the compute device's (a GPU):
+    on a CPU device an offloaded master or shard would be a second copy of the same bytes in
+    the same memory, so there the stores keep one copy, as without offloading."""
+
+    def __init__(self, device: torch.device, offload_optimizer: bool, offload_params: bool,
+                 transfers: Transfers, pool: BufferPool):
+        self.device = device
+        apart = transfers.host_is_separate
+        self.offload_optimizer = offload_optimizer and apart
+        self.offload_params = offload_params and apart
+        self.transfers = transfers
+        self.pool = pool
+
+    def master_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.offload_optimizer:
+            return self.transfers.host_empty(numel, dtype)
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def shard_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.offload_params:
+            return self.transfers.host_empty(numel, dtype)
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+
+def _initial_flat(
+    params: list[nn.Parameter], layout: FlatLayout, dtype: torch.dtype, device: torch.device,
+    comm: Communicator,
+) -> torch.Tensor:
+    """The padded flat copy of the parameters' values, rank 0's values on every rank."""
+    flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+    with torch.no_grad():
+        for slot, p in zip(layout.slots, params):
+            flat[slot.offset : slot.end].copy_(p.detach().reshape(-1))
+    comm.broadcast(flat, src=0)
+    return flat
+
+
+def _point_params_at(params: list[nn.Parameter], layout: FlatLayout, full: torch.Tensor) -> None:
+    for slot, p in zip(layout.slots, params):
+        p.data = full[slot.offset : slot.end].view(slot.shape)
+
+
+class ParamStore(ABC):
+    """The compute copy (what forward reads) and the master shard (what the optimizer updates)."""
+
+    layout: FlatLayout
+    master: torch.Tensor
+    full: torch.Tensor
+    gathers: bool
+    """True when the compute copy must be gathered before the module runs (forward hooks)."""
+
+    def __init__(self, layout: FlatLayout, rank: int, policy: PrecisionPolicy,
+                 placement: Placement):
+        self.layout = layout
+        self.rank = rank
+        self.policy = policy
+        self.placement = placement
+        self.transfers = placement.transfers
+        self.bounds = layout.shard_bounds(rank)
+        self._reading_host: Copy | None = None
+        """The newest copy reading this store's host buffers (the master, an offloaded
+        shard); copies run in issue order, so earlier ones are done when it is."""
+
+    def wait_host_copies(self) -> None:
+        """Block until no copy still reads this store's host buffers: run before the host
+        writes them (the CPU optimizer step, loading, user edits)."""
+        if self._reading_host is not None:
+            self._reading_host.wait_host()
+            self._reading_host = None
+
+    @property
+    @abstractmethod
+    def state(self) -> ParamState:
+        """Whether the compute copy is whole on this rank right now."""
+
+    @abstractmethod
+    def start_unshard(self, comm: Communicator) -> None:
+        """Begin making the compute copy whole (asynchronously where it needs communication)."""
+
+    @abstractmethod
+    def finish_unshard(self) -> None:
+        """Block until the compute copy is whole."""
+
+    @abstractmethod
+    def reshard(self) -> None:
+        """Give back the memory of the whole compute copy where the layout allows it."""
+
+    def aliases(self) -> int | None:
+        """Tensors viewing the memory a gather fills (None: nothing is gathered, or torch
+        cannot count them)."""
+        return None
+
+    @abstractmethod
+    def after_step(self, comm: Communicator) -> None:
+        """Start propagating the updated master shard into the compute copy (a store left
+        GATHERING is complete after ``finish_unshard``)."""
+
+    @abstractmethod
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Tensors held now by category ("params", "master"), for memory accounting."""
+
+    @abstractmethod
+    def write_param(self, index: int, value: torch.Tensor) -> None:
+        """Set parameter ``index`` to ``value`` (its full, unsharded value, identical on every
+        rank): the master at full precision, the compute copy at compute precision."""
+
+    @abstractmethod
+    def adopt_compute_edits(self) -> None:
+        """After user code wrote into the (whole) compute copy: carry the edits into the
+        master. Only elements that differ from the master's rounding count as edited, so an
+        untouched element keeps its full-precision master value under mixed precision."""
+
+    @abstractmethod
+    def was_edited(self) -> bool:
+        """Whether this rank's part of the whole compute copy no longer matches the master
+        (only detectable where the compute copy is not the master itself)."""
+
+    @abstractmethod
+    def discard_compute_edits(self, comm: Communicator) -> None:
+        """Make the whole compute copy equal the master again (collective)."""
+
+    def _merge_into_master(self, edited: torch.Tensor) -> None:
+        lo, hi = self.bounds
+        own = edited[lo:hi]
+        master = self.master.to(own.device)
+        changed = own != master.to(own.dtype)
+        self.wait_host_copies()
+        self.transfers.copy_now(self.master, torch.where(changed, own.to(master.dtype), master))
+
+    def shares_storage(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` aliases compute-copy memory this store may give back."""
+        return False
+
+    def _write_master(self, index: int, value: torch.Tensor) -> None:
+        slot = self.layout.slots[index]
+        lo, hi = self.bounds
+        start, end = max(lo, slot.offset), min(hi, slot.end)
+        if start < end:
+            self.wait_host_copies()
+            flat = value.reshape(-1)[start - slot.offset : end - slot.offset]
+            self.master[start - lo : end - lo].copy_(flat.to(self.master.dtype))
+
+    def gather_master(self, comm: Communicator) -> torch.Tensor:
+        """The whole flat master copy (padded), assembled on every rank's compute device."""
+        device = self.full.device
+        src = self.master.to(device, copy=True)
+        if self.layout.num_shards == 1:
+            return src
+        out = torch.empty(self.layout.padded_numel, dtype=self.master.dtype, device=device)
+        comm.all_gather(out, src).wait()
+        return out
+
+
+class ReplicatedParams(ParamStore):
+    """Stages 0-2 (and stage 3's small persistent parameters): the compute copy is always
+    allocated. After a step it is GATHERING while the all-gather of every rank's updated
+    slice runs in the background, UNSHARDED once ``finish_unshard`` waited for it.
+
+    Without a separate master (fp32, no offload) the optimizer updates a view of this rank's
+    slice of the compute buffer itself, so no second copy of the parameters exists.
+    """
+
+    gathers = False
+
+    def __init__(
+        self, params: list[nn.Parameter], layout: FlatLayout, rank: int,
+        policy: PrecisionPolicy, placement: Placement, comm: Communicator,
+    ) -> None:
+        super().__init__(layout, rank, policy, placement)
+        flat = _initial_flat(params, layout, policy.master_dtype, placement.device, comm)
+        lo, hi = self.bounds
+        self.master_is_view = not (policy.separate_master or placement.offload_optimizer)
+        if self.master_is_view:
+            self.full = flat
+            self.master = flat[lo:hi]
+        else:
+            self.master = placement.master_empty(layout.shard_numel, policy.master_dtype)
+            self.master.copy_(flat[lo:hi])
+            self.full = flat.to(policy.compute_dtype)
+        _point_params_at(params, layout, self.full)
+        self._state = ParamState.UNSHARDED
+        self._handle: Handle | None = None
+
+    @property
+    def state(self) -> ParamState:
+        return self._state
+
+    def start_unshard(self, comm: Communicator) -> None:
+        return None
+
+    def finish_unshard(self) -> None:
+        if self._handle is not None:
+            self._handle.wait()
+            self._handle = None
+        self._state = ParamState.UNSHARDED
+
+    def reshard(self) -> None:
+        return None
+
+    def write_param(self, index: int, value: torch.Tensor) -> None:
+        self.finish_unshard()  # else the gather in flight would overwrite the value
+        slot = self.layout.slots[index]
+        if not self.master_is_view:
+            self._write_master(index, value)
+        self.full[slot.offset : slot.end].copy_(value.reshape(-1))
+
+    def adopt_compute_edits(self) -> None:
+        if not self.master_is_view:  # else the master is the compute copy: nothing to carry
+            self._merge_into_master(self.full)
+
+    def was_edited(self) -> bool:
+        if self.master_is_view:
+            return False
+        lo, hi = self.bounds
+        own = self.full[lo:hi]
+        return bool((own != self.master.to(own.device, own.dtype)).any())
+
+    def discard_compute_edits(self, comm: Communicator) -> None:
+        self.after_step(comm)
+        self.finish_unshard()
+
+    def after_step(self, comm: Communicator) -> None:
+        self.finish_unshard()  # a gather still writing the buffer (two steps, no read between)
+        lo, hi = self.bounds
+        own = self.full[lo:hi]
+        if not self.master_is_view:
+            pending = self.transfers.copy(own, self.master)
+            pending.wait_device()  # the all-gather (and forward) read ``own``
+            self._reading_host = pending
+        if self.layout.num_shards > 1:
+            self._handle = comm.all_gather(self.full, own, async_op=True)
+            self._state = ParamState.GATHERING
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return {"params": [self.full], "master": [] if self.master_is_view else [self.master]}
+
+
+class ShardedParams(ParamStore):
+    """Stage 3: only this rank's shard persists; the whole copy exists between gather and free."""
+
+    gathers = True
+
+    def __init__(
+        self, params: list[nn.Parameter], layout: FlatLayout, rank: int,
+        policy: PrecisionPolicy, placement: Placement, comm: Communicator,
+    ) -> None:
+        super().__init__(layout, rank, policy, placement)
+        flat = _initial_flat(params, layout, policy.master_dtype, placement.device, comm)
+        lo, hi = self.bounds
+        self.shard = placement.shard_empty(layout.shard_numel, policy.compute_dtype)
+        self.shard.copy_(flat[lo:hi])
+        if policy.separate_master or placement.offload_optimizer or placement.offload_params:
+            self.master = placement.master_empty(layout.shard_numel, policy.master_dtype)
+            self.master.copy_(flat[lo:hi])
+        else:
+            self.master = self.shard
+        del flat
+        # Memory from the pool, given back by ``reshard`` below: units built one after
+        # another reuse one block, and the buffer's storage object stays this unit's for good.
+        self.pool = placement.pool
+        self.full = self.pool.take(layout.padded_numel, policy.compute_dtype)
+        self._full_nbytes = layout.padded_numel * policy.compute_dtype.itemsize
+        self.params = params
+        # 0-dim, so it expands to every shape, a 0-dim parameter's () included.
+        nan = torch.full((), float("nan"), dtype=policy.compute_dtype, device=placement.device)
+        self._placeholders = [nan.expand(slot.shape) for slot in layout.slots]
+        # Views of the buffer made once: they stay valid while its storage is freed and
+        # re-allocated in place, so a gather only re-points the parameters at them.
+        self._views = [self.full[slot.offset : slot.end].view(slot.shape)
+                       for slot in layout.slots]
+        _point_params_at(params, layout, self.full)
+        self._state = ParamState.UNSHARDED
+        self._handle: Handle | None = None
+        self._source: torch.Tensor | None = None
+        self.reshard()
+
+    @property
+    def state(self) -> ParamState:
+        return self._state
+
+    def _device_shard(self) -> torch.Tensor:
+        if not self.placement.offload_params:
+            return self.shard
+        # Offloaded shards are staged on the compute device just for the gather.
+        staged = torch.empty(self.shard.numel(), dtype=self.shard.dtype, device=self.full.device)
+        pending = self.transfers.copy(staged, self.shard)
+        pending.wait_device()  # the all-gather sends ``staged``
+        self._reading_host = pending
+        return staged
+
+    def start_unshard(self, comm: Communicator) -> None:
+        if self._state is not ParamState.SHARDED:
+            return
+        self.pool.lend(self.full.untyped_storage(), self._full_nbytes)
+        self._source = self._device_shard()
+        gather = comm.all_gather_int8 if self.policy.int8_gathers else comm.all_gather
+        self._handle = gather(self.full, self._source, async_op=True)
+        self._state = ParamState.GATHERING
+
+    def finish_unshard(self) -> None:
+        if self._state is ParamState.GATHERING:
+            assert self._handle is not None
+            self._handle.wait()
+            self._handle = None
+            self._source = None
+            for p, view in zip(self.params, self._views):
+                p.data = view
+            self._state = ParamState.UNSHARDED
+
+    def reshard(self) -> None:
+        self.finish_unshard()  # never free memory a collective is still writing
+        if self._state is ParamState.UNSHARDED:
+            for p, placeholder in zip(self.params, self._placeholders):
+                p.data = placeholder
+            self.pool.reclaim(self.full.untyped_storage())
+            self._state = ParamState.SHARDED
+
+    def aliases(self) -> int | None:
+        """Tensors viewing the gathered buffer's memory, the engine's own views included
+        (None where torch cannot count them): more after a gather than before means a view
+        escaped, which would read freed memory once the unit is resharded."""
+        return alias_count(self.full.untyped_storage())
+
+    def shares_storage(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is (a view of) this unit's gathered compute copy."""
+        return (self._state is ParamState.UNSHARDED
+                and tensor.untyped_storage().data_ptr() == self.full.untyped_storage().data_ptr())
+
+    def write_param(self, index: int, value: torch.Tensor) -> None:
+        self._write_master(index, value)
+        slot = self.layout.slots[index]
+        lo, hi = self.bounds
+        start, end = max(lo, slot.offset), min(hi, slot.end)
+        if start < end and self.shard is not self.master:
+            self.wait_host_copies()
+            flat = value.reshape(-1)[start - slot.offset : end - slot.offset]
+            self.transfers.copy_now(self.shard[start - lo : end - lo], flat.to(self.shard.dtype))
+        if self._state is ParamState.UNSHARDED:
+            self.full[slot.offset : slot.end].copy_(value.reshape(-1))
+
+    def adopt_compute_edits(self) -> None:
+        if self._state is not ParamState.UNSHARDED:
+            return  # nothing was exposed, so nothing can have been edited
+        lo, hi = self.bounds
+        if self.shard is not self.master:
+            self._merge_into_master(self.full)
+        self.wait_host_copies()
+        self.transfers.copy_now(self.shard, self.full[lo:hi])
+
+    def was_edited(self) -> bool:
+        if self._state is not ParamState.UNSHARDED:
+            return False
+        lo, hi = self.bounds
+        return bool((self.full[lo:hi] != self.shard.to(self.full.device)).any())
+
+    def discard_compute_edits(self, comm: Communicator) -> None:
+        if self._state is ParamState.UNSHARDED:
+            comm.all_gather(self.full, self._device_shard())
+
+    def after_step(self, comm: Communicator) -> None:
+        if self.master is not self.shard:
+            self.wait_host_copies()  # an offloaded shard may still be read by a staging copy
+            pending = self.transfers.copy(self.shard, self.master)
+            pending.wait_device()  # the next gather reads ``shard``
+            self._reading_host = pending
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        held: dict[str, list[torch.Tensor]] = {"params": [self.shard], "master": []}
+        if self._state is not ParamState.SHARDED:
+            held["params"].append(self.full)
+        if self.master is not self.shard:
+            held["master"].append(self.master)
+        return held
+
+
+PARAM_STORES: dict[str, type[ParamStore]] = {
+    "replicated": ReplicatedParams,
+    "sharded": ShardedParams,
+}

@@ -1,0 +1,405 @@
+"""What happens during forward and backward: gathers, prefetches, frees and reductions.
+
+The runtime is driven by the hooks in ``hooks.py``. It never asks for the stage: a replicated
+param store makes gather/free no-ops, and the grad store the plan chose decides what a
+reduction is.
+
+Every collective must be issued in the same order on every rank, including when ranks run
+different code (mixture-of-experts routing leaves an expert unused on one rank only):
+
+- reductions are launched in one order fixed before backward starts (the reverse of the
+  forward's unit order, then the remaining units by index), a unit whose gradients are ready
+  early waits for its predecessors, and a unit some of whose gradients never arrive on this
+  rank is launched at the end of backward, still in that order;
+- where backward also gathers (stage 3) and the gather order is checked on the host, each
+  check also exchanges how many units each rank has complete, and reductions are launched
+  only up to the smallest count, at those checks: every rank then launches the same
+  reductions at the same point of the gather sequence, so a rank waiting for a reduction
+  (the in-flight window) never waits for a peer that waits for a gather this rank has not
+  issued. Without it, which comes first on a rank when ranks run different modules (experts),
+  a unit's completion or the next unit's gather, depends on its data, and two ranks could
+  hang each other (found by tests/space.py);
+- stage-3 gathers follow the modules that run, so with ``check_gather_order`` each gather is
+  preceded by a tiny all-gather of the unit's index, and ranks that disagree raise an error
+  naming both units instead of exchanging the wrong shards or hanging. When the group
+  communicates host tensors (gloo on CPU) the check blocks before the gather, so units of
+  different sizes never meet in one collective. On a GPU, reading the indices would stall the
+  host once per unit: there the exchange is issued with the gather and read once, at the end
+  of backward (or after ``DEFERRED_TAGS`` gathers), still before the step can use anything
+  gathered; units of different sizes then meet in one collective, which nccl ends with its
+  own timeout.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+from torch.utils._pytree import tree_flatten
+
+from ..comm.collectives import Communicator, Handle
+from .hooks import queue_end_of_backward, register_pre_backward
+from .params import ParamState
+from .units import Unit
+
+# Reductions in flight at once. Each holds a unit's full-size local gradient buffer until it
+# completes, so the window bounds stage 2/3's transient gradient memory to a few units while
+# still overlapping communication with the rest of backward.
+MAX_INFLIGHT_REDUCTIONS = 2
+
+# Gather-order tags read at once on a GPU (one host sync) at the latest after this many
+# gathers, so a forward-only loop does not queue them without bound.
+DEFERRED_TAGS = 64
+
+
+class GatherOrderError(RuntimeError):
+    """Ranks tried to gather different stage-3 units at the same point."""
+
+
+class TrainingState(enum.Enum):
+    """Where the runtime is in a pass; every change goes through ``Runtime._to``."""
+
+    IDLE = "idle"
+    """No pass in progress: nothing gathered for a pass, no reduction pending."""
+    FORWARD = "forward"
+    """The engine's forward is running."""
+    PRE_BACKWARD = "pre-backward"
+    """A forward that autograd recorded has ended; its backward has not begun."""
+    BACKWARD = "backward"
+    """Gradients are arriving; reductions are launched in the order fixed at its start."""
+    POST_BACKWARD = "post-backward"
+    """The end-of-backward callback: waiting for reductions, agreeing on used parameters."""
+
+
+_S = TrainingState
+_ENTERED_FROM: dict[TrainingState, frozenset[TrainingState]] = {
+    # FORWARD again: a forward that raised, not followed by zero_grad(), or nested in another.
+    _S.FORWARD: frozenset({_S.IDLE, _S.PRE_BACKWARD, _S.FORWARD}),
+    _S.PRE_BACKWARD: frozenset({_S.FORWARD}),
+    # From IDLE: a backward through parameters read outside forward; from FORWARD: autograd
+    # run inside the model's own forward (a gradient penalty).
+    _S.BACKWARD: frozenset({_S.IDLE, _S.FORWARD, _S.PRE_BACKWARD}),
+    _S.POST_BACKWARD: frozenset({_S.BACKWARD}),
+    _S.IDLE: frozenset({_S.FORWARD, _S.POST_BACKWARD}),
+}
+
+
+class Runtime:
+    def __init__(self, units: list[Unit], comm: Communicator, root: torch.nn.Module,
+                 prefetch: bool, check_gather_order: bool,
+                 world: Communicator | None = None) -> None:
+        self.units = units
+        self.comm = comm
+        self.world = world or comm
+        """Every rank (``comm`` is the shard group under hybrid sharding): they all check the
+        gather order (replicas reduce in the order their groups gathered) and agree on which
+        parameters were used anywhere."""
+        self.prefetch = prefetch
+        self.check_gather_order = check_gather_order and comm.world_size > 1
+        self.defer_order_check = comm.device.type != "cpu"
+        self._tags: list[tuple[Unit, torch.Tensor, Handle]] = []
+        self.root_unit = next((u for u in units if u.module is root), None)
+        self.sync = True
+        self.grads_pending_step = False
+        """True once a synchronised backward has finished and its gradients are reduced."""
+        self._order: list[Unit] = []
+        self._previous_order: list[Unit] = []
+        self._in_order: set[int] = set()
+        self._callback_queued = False
+        self._launched: list[Unit] = []
+        self._pinned: set[int] = set()
+        """Units kept whole until the end of backward: read outside their module's forward,
+        or returned (a view of) their parameters from it."""
+        self._launch_order: list[Unit] = []
+        self._cursor = 0
+        """Reductions launched this pass (a prefix of the launch order)."""
+        self._ready = 0
+        """Units complete this pass, counted from the start of the launch order."""
+        self._agreed: int | None = None
+        """The smallest ``_ready`` over the ranks at the last gather check, which launches may
+        not pass (None: no limit)."""
+        self._complete: set[int] = set()
+        self.interrupted = False
+        """An exception ended the last backward before its end (set by the engine)."""
+        self.state = TrainingState.IDLE
+
+    def _to(self, state: TrainingState) -> None:
+        if self.state not in _ENTERED_FROM[state]:
+            raise RuntimeError(f"zero_strategy runtime: {self.state.value} -> {state.value} is "
+                               "not a transition a training pass makes (an engine call from "
+                               "inside a hook of the engine's own pass?)")
+        self.state = state
+
+    def idle(self) -> bool:
+        return self.state is TrainingState.IDLE
+
+    # ---------------------------------------------------------------- gathering
+    def unshard(self, unit: Unit) -> None:
+        store = unit.param_store
+        if store.gathers and store.state is ParamState.SHARDED:
+            if self.check_gather_order and self.defer_order_check:
+                self._tag_gather(unit)
+            elif self.check_gather_order:
+                self._check_and_agree(unit)
+            store.start_unshard(self.comm)
+
+    def _check_and_agree(self, unit: Unit) -> None:
+        """The host-side gather-order check; in backward it also agrees how far reductions
+        may be launched (every rank's count of units complete in launch order)."""
+        tags = self.world.all_gather_ints([unit.index, self._ready])
+        self._check_tags(unit, [t[0] for t in tags])
+        if self._agreed is not None:
+            self._agreed = min(t[1] for t in tags)
+            self._launch_ready()
+
+    def _tag_gather(self, unit: Unit) -> None:
+        mine = torch.tensor([unit.index], dtype=torch.int64, device=self.world.device)
+        out = torch.empty(self.world.world_size, dtype=torch.int64, device=self.world.device)
+        self._tags.append((unit, out, self.world.all_gather(out, mine, async_op=True)))
+        if len(self._tags) >= DEFERRED_TAGS:
+            self.verify_gather_order()
+
+    def verify_gather_order(self) -> None:
+        """Read the deferred gather-order tags (one host sync for all of them)."""
+        if not self._tags:
+            return
+        pending, self._tags = self._tags, []
+        for _, _, handle in pending:
+            handle.wait()
+        rows = torch.stack([out for _, out, _ in pending]).tolist()
+        for (unit, _, _), tags in zip(pending, rows):
+            self._check_tags(unit, tags)
+
+    def _check_tags(self, unit: Unit, tags: list[int]) -> None:
+        if any(t != unit.index for t in tags):
+            names = ", ".join(f"rank {r}: unit {t} {self.units[t].name or '<root>'!r}"
+                              for r, t in enumerate(tags))
+            raise GatherOrderError(
+                f"stage 3: ranks are gathering different units ({names}). A module ran on "
+                "some ranks but not on others (e.g. a mixture-of-experts expert that received "
+                "no tokens on one rank). Gather such modules with their parent: list the "
+                "parent's class in ZeroConfig(unit_leaf_classes=[...]), or call every module "
+                "on every rank (an expert may run on an empty batch)")
+
+    def gather_for_access(self, unit: Unit) -> None:
+        """A parameter of ``unit`` is read outside its module's forward: gather it now and
+        keep it whole until the end of backward (or of the step, without backward)."""
+        with record_function("zero::gather_external"):
+            self.unshard(unit)
+            unit.param_store.finish_unshard()
+        self._pinned.add(unit.index)
+
+    def release(self, unit: Unit) -> None:
+        if unit.index not in self._pinned:
+            unit.param_store.reshard()
+
+    def settle(self) -> None:
+        """Wait for every gather in flight (the post-step all-gathers of stages 1-2 among
+        them): run before anything reads or writes whole compute copies outside forward."""
+        for unit in self.units:
+            unit.param_store.finish_unshard()
+        self.verify_gather_order()
+
+    def reshard_all(self) -> None:
+        self._pinned.clear()
+        for unit in self.units:
+            unit.param_store.reshard()
+
+    # ---------------------------------------------------------------- forward
+    def begin_forward(self) -> None:
+        if self.state is not TrainingState.BACKWARD:  # else recomputation inside backward
+            self._to(TrainingState.FORWARD)
+        if self._order:
+            self._previous_order = self._order
+        self._order, self._in_order = [], set()
+
+    def end_forward(self) -> None:
+        if self.state is TrainingState.FORWARD:
+            self._to(TrainingState.PRE_BACKWARD if torch.is_grad_enabled()
+                     else TrainingState.IDLE)
+
+    def pre_forward(self, unit: Unit) -> None:
+        with record_function("zero::gather"):
+            if unit.index not in self._in_order:
+                self._in_order.add(unit.index)
+                self._order.append(unit)
+            self.unshard(unit)
+            if self.prefetch:
+                self._prefetch_after(unit, self._previous_order)
+            unit.param_store.finish_unshard()
+
+    def post_forward(self, unit: Unit, output: Any) -> None:
+        leaves = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+        if any(unit.param_store.shares_storage(t) for t in leaves):
+            self._pinned.add(unit.index)  # the caller holds a view of the parameters
+        hooked = torch.is_grad_enabled() and register_pre_backward(
+            leaves, lambda: self.pre_backward(unit)
+        )
+        if not torch.is_grad_enabled() and unit is self.root_unit:
+            self.verify_gather_order()
+            self.reshard_all()  # inference: nothing will need the parameters again
+        elif unit is not self.root_unit and (hooked or not torch.is_grad_enabled()):
+            # Only free what a pre-backward hook can bring back; an output we cannot hook
+            # keeps its unit gathered until the end of backward.
+            with record_function("zero::free"):
+                self.release(unit)
+
+    def _prefetch_after(self, unit: Unit, order: list[Unit]) -> None:
+        for i, u in enumerate(order[:-1]):
+            if u is unit:
+                self.unshard(order[i + 1])
+                return
+
+    # ---------------------------------------------------------------- backward
+    def _ensure_callback(self) -> None:
+        if not self._callback_queued:
+            self._to(TrainingState.BACKWARD)
+            self._callback_queued = True
+            queue_end_of_backward(self.end_backward)
+            self._begin_backward()
+
+    def _begin_backward(self) -> None:
+        """Fix, before any gradient arrives, how many each unit expects and the order in
+        which reductions are launched: the same on every rank whatever arrives."""
+        for unit in self.units:
+            unit.expected = sum(1 for p in unit.params if p.requires_grad)
+            if unit.expected < len(unit.params):
+                # A frozen parameter's value is still read after the unit's trainable ones
+                # have their gradients (for the gradient of the module's input, as with a
+                # frozen base weight beside a trainable adapter): the unit stays whole until
+                # the end of backward.
+                self._pinned.add(unit.index)
+        gathers = any(u.param_store.gathers for u in self.units)
+        agree = gathers and self.check_gather_order and not self.defer_order_check
+        ran = list(reversed(self._order))
+        seen = {u.index for u in ran}
+        self._launch_order = ran + [u for u in self.units if u.index not in seen]
+        self._cursor = self._ready = 0
+        self._agreed = 0 if agree else None
+        self._complete = set()
+
+    def pre_backward(self, unit: Unit) -> None:
+        self._ensure_callback()
+        with record_function("zero::gather_for_backward"):
+            self.unshard(unit)
+            if self.prefetch:
+                self._prefetch_after(unit, self._order[::-1])
+            unit.param_store.finish_unshard()
+
+    def on_grad(self, unit: Unit, index: int, param: torch.Tensor) -> None:
+        self._ensure_callback()
+        grad = param.grad
+        assert grad is not None
+        unit.grad_store.accumulate(index, grad)
+        param.grad = None  # the store holds it now; a full-size .grad would defeat sharding
+        unit.used[index] = True
+        unit.ready += 1
+        if unit.ready >= unit.expected:
+            self._finish_unit(unit)
+
+    def _finish_unit(self, unit: Unit) -> None:
+        unit.ready = 0
+        unit.reduced_this_pass = True
+        if self.sync:
+            self._complete.add(unit.index)
+            self._launch_ready()
+        # Every use of the unit's parameters is behind us once all their gradients arrived
+        # (a unit with frozen parameters is pinned instead: ``_begin_backward``).
+        self.release(unit)
+
+    def _launch_ready(self) -> None:
+        order = self._launch_order
+        while self._ready < len(order) and order[self._ready].index in self._complete:
+            self._ready += 1
+        limit = self._ready if self._agreed is None else min(self._ready, self._agreed)
+        while self._cursor < limit:
+            unit = order[self._cursor]
+            self._cursor += 1
+            with record_function("zero::reduce"):
+                unit.grad_store.launch_reduce(self.comm)
+            self._launched.append(unit)
+            while len(self._launched) > MAX_INFLIGHT_REDUCTIONS:
+                self._finish(self._launched.pop(0))
+
+    def end_backward(self) -> None:
+        """Reduce what unused parameters left pending, wait for every reduction, agree on
+        which parameters were used anywhere, free."""
+        self._to(TrainingState.POST_BACKWARD)
+        with record_function("zero::end_backward"):
+            self._agreed = None  # every rank reaches this point: it launches everything
+            self._launch_ready()
+            for unit in self.units:
+                if not unit.reduced_this_pass:
+                    self._finish_unit(unit)
+                unit.reduced_this_pass = False
+            for unit in self._launched:
+                self._finish(unit)
+            self._launched = []
+            for unit in self.units:
+                unit.fence_grad_copy()
+            self.verify_gather_order()  # before anything gathered can reach the step
+            if self.sync:
+                self._agree_on_used()
+            self.reshard_all()
+            self._callback_queued = False
+        self._to(TrainingState.IDLE)
+
+    def reset(self) -> None:
+        """Back to "no pass in progress": wait for collectives already issued, then forget
+        counts, order and pins. Run by ``zero_grad()``, so an exception in the middle of a
+        pass leaves nothing behind."""
+        if self.interrupted:
+            self._match_peers_launches()
+        self.interrupted = False
+        for unit in self._launched:
+            unit.grad_store.wait()
+        self._launched = []
+        self.verify_gather_order()
+        for unit in self.units:
+            unit.ready = 0
+            unit.reduced_this_pass = False
+        self._complete = set()
+        self._cursor = self._ready = 0
+        self._agreed = None
+        self._callback_queued = False
+        self.grads_pending_step = False
+        self.reshard_all()
+        self.state = TrainingState.IDLE  # from any state: the pass is abandoned
+
+    def _match_peers_launches(self) -> None:
+        """After a backward cut short by an exception (on every rank), ranks may have
+        launched different numbers of reductions: which units completed before the exception
+        depends on each rank's data when ranks run different modules. Every rank launches, in
+        the common order, up to the furthest rank's count, so each reduction issued anywhere is
+        matched and completes; the sums are discarded with the pass."""
+        if self.comm.world_size == 1:
+            return
+        if not self._callback_queued:  # nothing arrived here before the exception
+            self._begin_backward()
+        # Through the store: a collective would queue behind the unmatched reductions.
+        furthest = self.world.agree_max(self._cursor)
+        while self._cursor < furthest:
+            unit = self._launch_order[self._cursor]
+            self._cursor += 1
+            unit.grad_store.launch_reduce(self.comm)
+            self._launched.append(unit)
+
+    def _agree_on_used(self) -> None:
+        """One small all-reduce: a parameter no rank produced a gradient for since the last
+        step is left alone by the optimizer, as torch skips a parameter whose grad is None."""
+        flags = torch.tensor([u for unit in self.units for u in unit.used], dtype=torch.float32,
+                             device=self.units[0].grad_store.device)
+        if self.world.world_size > 1:
+            self.world.all_reduce_max(flags)
+        used = flags.tolist()
+        offset = 0
+        for unit in self.units:
+            unit.stepped = [bool(u) for u in used[offset : offset + len(unit.params)]]
+            offset += len(unit.params)
+
+    def _finish(self, unit: Unit) -> None:
+        unit.grad_store.finish_reduce()
+        unit.prepare_master_grad()
+        self.grads_pending_step = True

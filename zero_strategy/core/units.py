@@ -1,0 +1,236 @@
+"""Units: the groups of parameters that are laid out, communicated and freed together.
+
+Stages 0-2 group parameters into size-bounded buckets in reverse registration order (roughly
+the order backward produces their gradients). Stage 3 groups them by submodule, so a module's
+parameters are gathered just before it runs; a parameter registered in several modules (tied
+embeddings) belongs to the unit of their closest common ancestor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..comm.collectives import Communicator
+from ..offload.transfers import Copy, Transfers
+from .flat import FlatLayout, make_layout
+from .grads import GRAD_STORES, GradStore
+from .materialize import Materializer
+from .params import PARAM_STORES, ParamStore, Placement
+from .plan import UnitKind, ZeroPlan
+
+NamedParams = list[tuple[str, nn.Parameter]]
+
+
+@dataclass
+class UnitSpec:
+    name: str
+    module: nn.Module | None
+    params: NamedParams
+    kind: UnitKind
+
+
+class Unit:
+    """One unit's parameters, their param store and grad store, and backward bookkeeping."""
+
+    def __init__(
+        self, index: int, spec: UnitSpec, layout: FlatLayout, param_store: ParamStore,
+        grad_store: GradStore, params: list[nn.Parameter], offload_optimizer: bool,
+    ) -> None:
+        self.index = index
+        self.name = spec.name
+        self.module = spec.module
+        self.layout = layout
+        self.params = params
+        self.param_store = param_store
+        self.grad_store = grad_store
+        self.offload_optimizer = offload_optimizer
+        self.ready = 0
+        """Gradients that arrived in the current backward pass."""
+        self.expected = len(params)
+        """Gradients the current backward pass can deliver (parameters requiring grad)."""
+        self.reduced_this_pass = False
+        self.used = [False] * len(params)
+        """Per parameter: a gradient arrived on this rank since the last step."""
+        self.stepped = [True] * len(params)
+        """Per parameter: some rank produced a gradient for it since the last step, so the
+        optimizer updates it (a parameter no rank used is skipped, as torch and DDP do)."""
+        self._master_grad: torch.Tensor | None = None
+        self._master_grad_buffer: torch.Tensor | None = None
+        self._grad_copy: Copy | None = None
+        """The copy writing an offloaded ``master_grad``, until the host waited for it."""
+
+    def __repr__(self) -> str:
+        return f"Unit({self.index}, {self.name or '<root>'!r}, numel={self.layout.numel})"
+
+    @property
+    def master_grad(self) -> torch.Tensor:
+        """The reduced gradient of this rank's shard, in the master's dtype and place."""
+        if self._master_grad is None:
+            self.prepare_master_grad()
+        if self._grad_copy is not None:  # every host read of the gradient passes here
+            self._grad_copy.wait_host()
+            self._grad_copy = None
+        assert self._master_grad is not None
+        return self._master_grad
+
+    def prepare_master_grad(self) -> None:
+        """Start bringing the reduced shard into the master's dtype and place (a copy that
+        overlaps the rest of backward when the master is offloaded)."""
+        grad, master = self.grad_store.grad_shard, self.param_store.master
+        copies = self.offload_optimizer and self.transfers.host_is_separate
+        if grad.dtype == master.dtype and grad.device == master.device and not copies:
+            self._master_grad = grad
+            return
+        if self._master_grad_buffer is None:
+            if self.offload_optimizer:  # kept: pinned host memory is costly to allocate
+                self._master_grad_buffer = self.transfers.host_empty(grad.numel(), master.dtype)
+            else:
+                self._master_grad_buffer = torch.empty_like(master)
+        self._grad_copy = self.transfers.copy(self._master_grad_buffer, grad)
+        self._master_grad = self._master_grad_buffer
+
+    def fence_grad_copy(self) -> None:
+        """Make the compute stream wait for the gradient copy: from the end of backward on,
+        compute may change the reduced shard it reads (another backward, zero_grad)."""
+        if self._grad_copy is not None:
+            self._grad_copy.wait_device()
+
+    @property
+    def transfers(self) -> Transfers:
+        return self.param_store.transfers
+
+    def zero_grad(self) -> None:
+        if self._grad_copy is not None:  # a pass cut short: the copy may still write
+            self._grad_copy.wait_host()
+            self._grad_copy = None
+        self.grad_store.zero()
+        self.used = [False] * len(self.params)
+        self._master_grad = None
+        if not self.offload_optimizer:
+            self._master_grad_buffer = None
+
+
+def _lca(paths: list[str]) -> str:
+    parts = [p.split(".") if p else [] for p in paths]
+    common: list[str] = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def _owners(model: nn.Module, managed: NamedParams) -> dict[str, NamedParams]:
+    """Module path -> the managed parameters whose closest common registering module it is."""
+    ids = {id(p) for _, p in managed}
+    registered: dict[int, list[str]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for _, p in module.named_parameters(recurse=False):
+            if id(p) in ids:
+                registered.setdefault(id(p), []).append(mod_name)
+    owners: dict[str, NamedParams] = {}
+    for name, p in managed:
+        owners.setdefault(_lca(registered[id(p)]), []).append((name, p))
+    return owners
+
+
+def module_specs(
+    model: nn.Module, managed: NamedParams, unit_numel: int, kind: UnitKind,
+    leaf_classes: tuple[str, ...] = (),
+) -> list[UnitSpec]:
+    """Post-order walk: a module whose unclaimed parameters reach ``unit_numel`` becomes a unit;
+    a module of a leaf class becomes one unit with everything below it; the root takes
+    whatever is left."""
+    owners = _owners(model, managed)
+    specs: list[UnitSpec] = []
+    seen: set[int] = set()
+
+    def visit(path: str, module: nn.Module, inside_leaf: bool) -> NamedParams:
+        leaf = type(module).__name__ in leaf_classes
+        pending = list(owners.get(path, []))
+        for child_name, child in module.named_children():
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            child_path = f"{path}.{child_name}" if path else child_name
+            pending += visit(child_path, child, inside_leaf or leaf)
+        # Containers are never called, so their forward hooks would never gather.
+        callable_module = not isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        big = sum(p.numel() for _, p in pending) >= unit_numel
+        wanted = path == "" or (callable_module and not inside_leaf and (leaf or big))
+        if pending and wanted:
+            specs.append(UnitSpec(path, module, pending, kind))
+            return []
+        return pending
+
+    visit("", model, False)
+    return specs
+
+
+def bucket_specs(managed: NamedParams, bucket_numel: int, kind: UnitKind) -> list[UnitSpec]:
+    specs: list[UnitSpec] = []
+    current: NamedParams = []
+    size = 0
+    for name, p in reversed(managed):
+        if current and size + p.numel() > bucket_numel:
+            specs.append(UnitSpec(f"bucket{len(specs)}", None, current, kind))
+            current, size = [], 0
+        current.append((name, p))
+        size += p.numel()
+    if current:
+        specs.append(UnitSpec(f"bucket{len(specs)}", None, current, kind))
+    return specs
+
+
+def plan_specs(model: nn.Module, managed: NamedParams, plan: ZeroPlan) -> list[UnitSpec]:
+    layout = plan.layout
+    if layout.grouping == "buckets":
+        return bucket_specs(managed, plan.bucket_numel, layout.main)
+    assert plan.unit_numel is not None and plan.persistence_threshold is not None
+    small = [(n, p) for n, p in managed if p.numel() < plan.persistence_threshold]
+    small_ids = {id(p) for _, p in small}
+    large = [(n, p) for n, p in managed if id(p) not in small_ids]
+    specs = module_specs(model, large, plan.unit_numel, layout.main, plan.unit_leaf_classes)
+    assert layout.persistent is not None
+    specs += bucket_specs(small, plan.bucket_numel, layout.persistent)
+    return specs
+
+
+@dataclass(frozen=True)
+class UnitComms:
+    """Who a unit communicates with: ``shards`` (gathers, reduce-scatters), ``world`` (every
+    rank: the initial values are rank 0's) and, with hybrid sharding, ``replicas`` (the ranks
+    holding the same shard, across which gradient shards are all-reduced)."""
+
+    shards: Communicator
+    world: Communicator
+    replicas: Communicator | None = None
+
+
+def build_units(
+    model: nn.Module, managed: NamedParams, group_of: dict[int, int], plan: ZeroPlan,
+    comms: UnitComms, placement: Placement,
+    materializer: Materializer | None = None, first_index: int = 0,
+) -> list[Unit]:
+    device, pool = placement.device, placement.pool
+    policy = plan.policy
+    shard_rank = comms.shards.rank if plan.optimizer_shards > 1 else 0
+    units = []
+    for index, spec in enumerate(plan_specs(model, managed, plan), start=first_index):
+        entries = [(name, p.shape, group_of[id(p)]) for name, p in spec.params]
+        layout = make_layout(entries, plan.optimizer_shards)
+        by_name = dict(spec.params)
+        params = [by_name[slot.name] for slot in layout.slots]
+        if materializer is not None:  # only now: one unit's full values exist at a time
+            materializer.ensure(params)
+        pstore = PARAM_STORES[spec.kind.params](
+            params, layout, shard_rank, policy, placement, comms.world
+        )
+        gstore = GRAD_STORES[spec.kind.grads](layout, shard_rank, policy.reduce_dtype, device,
+                                              pool, policy.int8_reductions, comms.replicas)
+        units.append(Unit(index, spec, layout, pstore, gstore, params,
+                          placement.offload_optimizer))
+    return units

@@ -1,0 +1,18 @@
+"""Adapters of the engine to Lightning's Trainer, Fabric and Accelerate, each thin over
+``ZeroEngine``; what they share is in ``shared.py`` (presets, config and precision merging,
+checkpoint helpers), ``hydra_launch.py`` and ``step_turns.py``. Each framework is an optional
+extra; ``require`` names the extra to install when one is missing."""
+
+from __future__ import annotations
+
+import importlib.util
+
+EXTRAS = {"lightning": "lightning", "accelerate": "accelerate"}
+
+
+def require(module: str, user: str) -> None:
+    """Raise ImportError naming the pip extra when ``module`` (a framework) is not installed."""
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(
+            f"{user} needs {module!r}, which is not installed: "
+            f"pip install \"zero-strategy[{EXTRAS[module]}]\"")

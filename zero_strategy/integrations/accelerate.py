@@ -1,0 +1,730 @@
+"""Accelerate integration: an ordinary ``accelerate launch`` training loop trained by ZeroEngine.
+
+Accelerate has no extension point for a third-party sharding backend (``DistributedType`` is a
+closed enum, the config loader rejects unknown keys, ``kwargs_handlers`` takes fixed classes), so
+``ZeroAccelerator`` subclasses ``Accelerator`` and reroutes only what touches the model and its
+optimizer; data loaders, schedulers, ``accumulate()``, RNG/sampler checkpointing, logging and
+process control stay Accelerate's own::
+
+    from zero_strategy.accelerate import ZeroAccelerator, ZeroPlugin
+
+    accelerator = ZeroAccelerator(gradient_accumulation_steps=2)  # $ZERO_STRATEGY_CONFIG
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    for batch in loader:
+        with accelerator.accumulate(model):       # no communication on non-final micro-batches
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)   # global norm over shards
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+    accelerator.save_state("ckpt")                # sharded; every rank calls it
+    state = accelerator.get_state_dict(model)     # consolidated fp32, the user's keys
+
+Several optimizers over disjoint parameter sets (Muon for the hidden matrices, AdamW for the
+rest) train one engine: ``model, muon, adamw, sched = accelerator.prepare(model, muon, adamw,
+sched)``. The first ``.step()`` of any of them after a backward steps them all (one ZeRO step);
+each other one's ``.step()`` then only takes its turn; schedulers prepared per part work.
+
+Launch (CPU with gloo, or GPUs with nccl; the accelerate config is an ordinary multi-process one)::
+
+    ZERO_STRATEGY_CONFIG=conf/accelerate/zero3.yaml \\
+        accelerate launch --config_file conf/accelerate/multi_process.yaml train.py
+
+Where the ZeRO options come from, highest precedence first:
+
+1. keyword arguments in code: ``ZeroPlugin(stage=2, ...)`` or ``ZeroPlugin.from_config(path,
+   stage=2)``;
+2. the plugin config file, a YAML mapping of ``ZeroConfig`` fields: the ``path`` given to
+   ``ZeroPlugin.from_config``, else the file named by ``$ZERO_STRATEGY_CONFIG``. (It cannot be
+   named inside the accelerate config: Accelerate rejects unknown top-level keys and passes
+   nothing of that file to the launched processes except the variables it knows.);
+3. ``ZeroConfig``'s defaults.
+
+``ZeroAccelerator(zero_plugin=None)`` means ``ZeroPlugin.from_config()``. Precision: a
+``precision`` set by (1) or (2) wins; otherwise it follows Accelerate's ``mixed_precision``
+(``Accelerator(mixed_precision=...)``, else the launch config / ``--mixed_precision``): ``no`` ->
+``32-true``, ``bf16`` -> ``bf16-mixed``, ``fp16`` -> ``16-mixed``. An explicit precision that
+contradicts a non-``no`` mixed_precision is an error. fp16 loss scaling is the engine's
+(``LossScaleConfig``), not a ``GradScaler``; Accelerate's own autocast is never switched on.
+
+A bad plugin config (unknown key, wrong type, invalid value) raises ``ValueError`` naming the
+key and the file when the plugin is built, before any process group, model or data exists.
+
+Differences from plain Accelerate, all because the state is sharded:
+
+- ``clip_grad_norm_`` on a micro-batch that does not synchronise returns None and clips nothing
+  (DDP would clip the local partial gradient); guard it with ``if accelerator.sync_gradients``.
+- ``get_state_dict``, ``save_model``, ``save_state``, ``load_state`` and the prepared model's
+  ``state_dict()`` are collectives: call them on every rank. So are ``optimizer.state_dict()``
+  (the whole state in torch's format) and ``load_state_dict()`` of the model and optimizer;
+  ``save_state``/``load_state`` keep the state sharded.
+- ``save_state`` writes Accelerate's own files (schedulers, samplers, RNG per rank, step,
+  registered objects) and the engine's sharded checkpoint in ``zero_checkpoint/``, then waits
+  for every rank. The engine part loads on any world size and stage.
+- One ZeRO model per accelerator, prepared together with its optimizer(s); other models (e.g.
+  a frozen teacher) get Accelerate's usual preparation. Accelerate's dynamo settings are not
+  applied to the ZeRO model.
+
+Not about sharding: ``skip_first_batches`` returns a loader whose iterator does not draw from
+the global torch generator, so a mid-epoch resume repeats the uninterrupted run's dropout masks
+(plain Accelerate's draws once after ``load_state`` restored the generator).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import re
+import types
+import typing
+import warnings
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DynamoBackend, InitProcessGroupKwargs, convert_to_fp32
+from accelerate.utils import load as accelerate_load
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ..checkpoint import read as checkpoint_read
+from ..checkpoint.verify import member, refusal
+from ..checkpoint.write import CheckpointError
+from ..comm import collectives
+from ..config import PRECISIONS, LossScaleConfig, ZeroConfig
+from ..engine import ZeroEngine
+from .step_turns import StepTurns
+
+CONFIG_ENV = "ZERO_STRATEGY_CONFIG"
+"""Environment variable naming the plugin config file (a YAML mapping of ZeroConfig fields)."""
+
+CHECKPOINT_SUBDIR = "zero_checkpoint"
+"""Where ``save_state`` puts the engine's sharded checkpoint inside Accelerate's state folder."""
+CHECKPOINT_TAG = "state"
+"""The engine checkpoint's tag: a second save into the same folder replaces the first."""
+
+# Accelerate's mixed_precision names and the engine precision each one means by default.
+_FROM_ACCELERATE = {"no": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
+# Explicit engine precisions that agree with each Accelerate setting ("no" leaves it to us).
+_COMPATIBLE = {"no": set(PRECISIONS), "bf16": {"bf16-mixed", "bf16-true"}, "fp16": {"16-mixed"}}
+
+
+# ---------------------------------------------------------------------------------- plugin
+class ZeroPlugin:
+    """ZeRO options for ``ZeroAccelerator``: a plugin config file and/or keyword arguments.
+
+    ``ZeroPlugin(**options)`` takes ``ZeroConfig`` fields from code only;
+    ``ZeroPlugin.from_config(path=None, **overrides)`` reads the file (``path``, else
+    ``$ZERO_STRATEGY_CONFIG``, else none) and lets keyword arguments override it. Values are
+    checked here, so a bad config fails before training starts.
+    """
+
+    def __init__(self, config_file: str | os.PathLike[str] | None = None, **options: Any) -> None:
+        self.config_file = None if config_file is None else str(config_file)
+        self.file_options = {} if config_file is None else read_plugin_file(config_file)
+        check_option_types(options, "ZeroPlugin(...) arguments")
+        self.code_options = dict(options)
+        self.options = {**self.file_options, **self.code_options}
+        self.resolve(None)  # validate now; precision is settled once Accelerate's is known
+
+    @classmethod
+    def from_config(cls, path: str | os.PathLike[str] | None = None,
+                    **overrides: Any) -> ZeroPlugin:
+        """Options from ``path`` (else ``$ZERO_STRATEGY_CONFIG``), overridden by ``overrides``."""
+        if path is None:
+            path = os.environ.get(CONFIG_ENV) or None
+        return cls(path, **overrides)
+
+    @property
+    def source(self) -> str:
+        """Where the options came from, for error messages."""
+        if self.config_file is None:
+            return "ZeroPlugin(...) arguments"
+        overridden = sorted(self.code_options)
+        suffix = f" (with code overrides {overridden})" if overridden else ""
+        return f"zero plugin config {self.config_file}{suffix}"
+
+    def resolve(self, mixed_precision: str | None) -> ZeroConfig:
+        """The ``ZeroConfig``, with precision settled against Accelerate's ``mixed_precision``
+        (None: validate only)."""
+        values = dict(self.options)
+        if mixed_precision is not None:
+            values["precision"] = self._precision(mixed_precision)
+        elif "precision" not in values and "loss_scale" in values:
+            values["precision"] = "16-mixed"  # validation only: loss scaling implies fp16 will come
+        try:
+            return ZeroConfig.from_dict(values, source=self.source)
+        except (TypeError, ValueError) as err:
+            message = str(err)
+            if message.startswith(self.source):
+                raise
+            raise ValueError(f"{self.source}: {message}") from None
+
+    def _precision(self, mixed_precision: str) -> str:
+        if mixed_precision not in _FROM_ACCELERATE:
+            raise ValueError(
+                f"Accelerate mixed_precision={mixed_precision!r} is not supported by "
+                f"ZeroAccelerator; use one of {sorted(_FROM_ACCELERATE)}"
+            )
+        explicit = self.options.get("precision")
+        if explicit is None:
+            return _FROM_ACCELERATE[mixed_precision]
+        if explicit in PRECISIONS and explicit not in _COMPATIBLE[mixed_precision]:
+            raise ValueError(
+                f"{self.source}: precision={explicit!r} contradicts Accelerate's "
+                f"mixed_precision={mixed_precision!r}; drop one of them or make them agree "
+                f"(with {mixed_precision!r}: {sorted(_COMPATIBLE[mixed_precision])})"
+            )
+        return explicit
+
+    def __repr__(self) -> str:
+        return f"ZeroPlugin(source={self.source!r}, options={self.options!r})"
+
+
+def read_plugin_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The plugin config file as a dict of ZeroConfig fields, keys and types checked."""
+    named_by = f" (named by ${CONFIG_ENV})" if os.environ.get(CONFIG_ENV) == str(path) else ""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"zero plugin config {path}{named_by} does not exist") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ValueError(f"zero plugin config {path}: not valid YAML: {err}") from None
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"zero plugin config {path}: expected a mapping of ZeroConfig fields, "
+            f"got {type(data).__name__}"
+        )
+    check_option_types(data, f"zero plugin config {path}")
+    return data
+
+
+def check_option_types(values: dict[str, Any], source: str) -> None:
+    """Unknown keys and wrong types, named with ``source``: YAML gives strings and floats
+    where ZeroConfig's own checks would accept a look-alike (``stage: 3.0``)."""
+    _check_fields(values, ZeroConfig, source, prefix="")
+
+
+def _check_fields(values: dict[str, Any], cls: type, source: str, prefix: str) -> None:
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if key not in hints:
+            raise ValueError(f"{source}: unknown key {name!r}; allowed keys: {sorted(hints)}")
+        expected = hints[key]
+        if expected is LossScaleConfig:
+            if isinstance(value, dict):
+                _check_fields(value, LossScaleConfig, source, prefix=f"{name}.")
+            elif not isinstance(value, LossScaleConfig):
+                raise ValueError(f"{source}: {name} must be a mapping, got {value!r}")
+            continue
+        if not _matches(value, expected):
+            raise ValueError(
+                f"{source}: {name} must be of type {_type_name(expected)}, "
+                f"got {value!r} ({type(value).__name__})"
+            )
+
+
+def _matches(value: Any, expected: Any) -> bool:
+    options = typing.get_args(expected) if isinstance(expected, types.UnionType) else (expected,)
+    for option in options:
+        if option is type(None) and value is None:
+            return True
+        if option is bool and isinstance(value, bool):
+            return True
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if option is str and isinstance(value, str):
+            return True
+    return False
+
+
+def _type_name(expected: Any) -> str:
+    options = typing.get_args(expected) if isinstance(expected, types.UnionType) else (expected,)
+    return " | ".join("None" if o is type(None) else o.__name__ for o in options)
+
+
+# ---------------------------------------------------------------------------------- wrappers
+class ZeroModel(nn.Module):
+    """What ``prepare`` returns for the model: calls go through the engine.
+
+    ``module`` is the user's model (``named_parameters`` carry a ``module.`` prefix, as with
+    DDP); at stage 3 its parameter storage is freed between uses, so read weights through
+    ``accelerator.get_state_dict(model)`` rather than the module.
+    """
+
+    def __init__(self, engine: ZeroEngine) -> None:
+        super().__init__()
+        self.module = engine.module
+        self.engine = engine  # not an nn.Module: a plain attribute
+        # Accelerate hands mixed-precision outputs back in fp32 (so the loss is fp32); do the same.
+        self._fp32_outputs = engine.config.precision.endswith("-mixed")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        output = self.engine(*args, **kwargs)
+        return convert_to_fp32(output) if self._fp32_outputs else output
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return self.engine.no_sync()
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
+                   keep_vars: bool = False) -> dict[str, torch.Tensor]:
+        """Consolidated fp32 weights (a collective: every rank must call it), ``module.`` keys."""
+        full = self.engine.full_state_dict()
+        return {f"{prefix}module.{key}": value for key, value in full.items()}
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """A full state dict (``module.`` keys as ``state_dict()`` writes them, or the user
+        model's own keys) into the shards; checked before anything is written."""
+        if assign:
+            raise ValueError("assign=True would replace tensors the ZeRO engine owns; load "
+                             "with assign=False")
+        prefix = "module."
+        if state_dict and all(k.startswith(prefix) for k in state_dict):
+            state_dict = {k[len(prefix):]: v for k, v in state_dict.items()}
+        return self.engine.load_state_dict(state_dict, strict=strict)
+
+
+class ZeroOptimizer(AcceleratedOptimizer):
+    """What ``prepare`` returns for each optimizer: ``step``/``zero_grad`` drive the engine on
+    the micro-batches where Accelerate synchronises gradients, and do nothing on the others.
+    With several optimizers, the first ``step()`` after a backward steps all of them and the
+    others' ``step()`` take their turn (``turns``, shared by the model's optimizers).
+
+    ``param_groups`` are the user's optimizer's, so schedulers and manual lr changes work (the
+    engine copies them onto its inner, sharded optimizer at every step).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: ZeroEngine,
+                 turns: StepTurns) -> None:
+        super().__init__(optimizer, device_placement=False, scaler=None)
+        self.engine = engine
+        self.turns = turns
+
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise ValueError("ZeroOptimizer.step does not take a closure")
+        if self.gradient_state.sync_gradients:
+            # False: non-finite gradients (fp16 overflow), the step was skipped for all parts.
+            self._is_overflow = not self.turns.step(self.optimizer)
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        if self.gradient_state.sync_gradients:
+            self.engine.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This optimizer's whole state in torch's format (a collective that materialises it;
+        ``accelerator.save_state()`` writes shards instead)."""
+        return self.optimizer.state_dict()  # the engine's, through the user's object
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+
+# ---------------------------------------------------------------------------------- accelerator
+class ZeroAccelerator(Accelerator):
+    """``Accelerator`` whose prepared model and optimizer are trained by ``ZeroEngine``.
+
+    Takes ``Accelerator``'s keyword arguments plus ``zero_plugin`` (default:
+    ``ZeroPlugin.from_config()``). One model and its optimizer(s) per accelerator, passed to
+    the same ``prepare`` call. Multi-process CPU launches need no ``cpu=True``: without an
+    accelerator device it is set, which is what makes Accelerate use gloo across processes.
+    """
+
+    def __init__(self, *, zero_plugin: ZeroPlugin | None = None, **kwargs: Any) -> None:
+        plugin = zero_plugin if zero_plugin is not None else ZeroPlugin.from_config()
+        _reject_other_backends(kwargs)
+        requested = kwargs.pop("mixed_precision", None)
+        if requested is None:
+            requested = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        mixed_precision = str(requested).lower()
+        config = plugin.resolve(mixed_precision)  # fails before any process group exists
+        if not kwargs.get("cpu") and not _has_accelerator_device():
+            kwargs["cpu"] = True
+        handlers = list(kwargs.get("kwargs_handlers") or [])
+        if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
+            # The group Accelerate creates waits as long as the engine's collectives do.
+            handlers.append(InitProcessGroupKwargs(
+                timeout=datetime.timedelta(seconds=config.timeout)))
+            kwargs["kwargs_handlers"] = handlers
+        self._zero_mixed_precision = mixed_precision
+        # Under a restarting launcher the group must be created per attempt (Accelerate skips
+        # creating its own when one exists).
+        collectives.init_restartable_group("gloo" if kwargs.get("cpu") else "nccl",
+                                           config.timeout)
+        # Accelerate must not autocast or build a GradScaler: the engine owns precision.
+        super().__init__(mixed_precision="no", **kwargs)
+        self.zero_plugin = plugin
+        self.zero_config = config
+        self._zero_model: ZeroModel | None = None
+        self._zero_optimizers: list[ZeroOptimizer] = []
+        self._zero_turns: StepTurns | None = None
+        _ensure_process_group(self.device, self.num_processes)
+
+    @property
+    def mixed_precision(self) -> str:
+        """Accelerate's name for the precision in use (the engine applies it)."""
+        return self._zero_mixed_precision
+
+    @property
+    def engine(self) -> ZeroEngine:
+        if self._zero_model is None:
+            raise RuntimeError("no model prepared yet: call accelerator.prepare(model, optimizer)")
+        return self._zero_model.engine
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        """The model trained by ZeRO is the one the optimizer(s) were built on, passed in the
+        same call (several optimizers: one engine over all of them, one wrapper each); data
+        loaders, schedulers and any other model get Accelerate's own preparation."""
+        found = self._zero_positions(args)
+        if found is None:
+            return super().prepare(*args, device_placement=device_placement)
+        placements = list(device_placement) if device_placement else [None] * len(args)
+        if len(placements) != len(args):
+            raise ValueError(f"device_placement should have {len(args)} elements, one per object")
+        m, opts = found
+        results = list(args)
+        results[m], wrappers = self._build_engine(args[m], [args[o] for o in opts], placements[m])
+        for o, wrapper in zip(opts, wrappers):
+            results[o] = wrapper
+        rest = [i for i in range(len(args)) if i != m and i not in opts]
+        if rest:
+            prepared = super().prepare(*(args[i] for i in rest),
+                                       device_placement=[placements[i] for i in rest])
+            prepared = (prepared,) if len(rest) == 1 else prepared
+            for i, obj in zip(rest, prepared):
+                results[i] = obj
+        return tuple(results) if len(results) > 1 else results[0]
+
+    def _zero_positions(self, args: tuple[Any, ...]) -> tuple[int, list[int]] | None:
+        """Positions of the model and its optimizers for the engine, or None when the call has
+        neither."""
+        models = [i for i, a in enumerate(args)
+                  if isinstance(a, nn.Module) and not isinstance(a, ZeroModel)]
+        optimizers = [i for i, a in enumerate(args) if isinstance(a, torch.optim.Optimizer)
+                      and not isinstance(a, AcceleratedOptimizer)]
+        if not optimizers:
+            if models and self._zero_model is None:
+                raise ValueError(
+                    "ZeroAccelerator.prepare needs the trained model and its optimizer in the same "
+                    "call (the engine shards them together): prepare(model, optimizer, ...)"
+                )
+            return None  # e.g. only data loaders, or a frozen extra model after the ZeRO one
+        owners = {o: _model_of(args, o, models) for o in optimizers}
+        if len(set(owners.values())) > 1:
+            raise ValueError(
+                "ZeroAccelerator trains one model, with all of its optimizers: the optimizers "
+                f"of this prepare() call (arguments {optimizers}) are built on different models "
+                f"(arguments {sorted(set(owners.values()))})")
+        return owners[optimizers[0]], optimizers
+
+    def _build_engine(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],
+                      placement: bool | None) -> tuple[ZeroModel, list[ZeroOptimizer]]:
+        if self._zero_model is not None:
+            raise ValueError("ZeroAccelerator trains one model; it already prepared one")
+        if self.device_placement if placement is None else placement:
+            model.to(self.device)  # keeps Parameter identities, so the optimizer stays valid
+        if self.state.dynamo_plugin.backend != DynamoBackend.NO:
+            warnings.warn("ZeroAccelerator does not torch.compile the ZeRO model; the accelerate "
+                          "config's dynamo settings are ignored for it", stacklevel=3)
+        engine = ZeroEngine(model, optimizers, self.zero_config)  # several: checked disjoint
+        self._zero_turns = turns = StepTurns(engine)
+        self._zero_model = ZeroModel(engine)
+        self._zero_optimizers = [ZeroOptimizer(opt, engine, turns) for opt in optimizers]
+        for obj in (self._zero_model, *self._zero_optimizers):
+            obj._is_accelerate_prepared = True
+        self._models.append(self._zero_model)
+        self._optimizers.extend(self._zero_optimizers)  # found by prepare_scheduler
+        return self._zero_model, self._zero_optimizers
+
+    # ------------------------------------------------------------------ training loop
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """Used by ``accumulate()`` on non-final micro-batches: the engine skips all reduction."""
+        if isinstance(model, ZeroModel):
+            with model.engine.no_sync():
+                yield
+        else:
+            with super().no_sync(model):
+                yield
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if self._zero_model is None:
+            return super().backward(loss, **kwargs)
+        if kwargs.pop("learning_rate", None) is not None:
+            raise ValueError("learning_rate= (LOMO optimizers) is not supported by ZeroAccelerator")
+        if self._zero_turns is not None:
+            self._zero_turns.backward()
+        # Same averaging over the accumulation window as Accelerate; fp16 scaling is the engine's.
+        self.engine.backward(loss / self.gradient_accumulation_steps, **kwargs)
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
+                        norm_type: float = 2) -> torch.Tensor | None:
+        """Clip by the global norm over all shards and return it. On micro-batches that do not
+        synchronise (``not accelerator.sync_gradients``) gradients are local partial sums, so
+        nothing is clipped and None is returned."""
+        if self._zero_model is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        self._check_all_parameters(parameters, "clip_grad_norm_")
+        if not self.sync_gradients:
+            return None
+        return self.engine.clip_grad_norm_(max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        if self._zero_model is None:
+            return super().clip_grad_value_(parameters, clip_value)
+        self._check_all_parameters(parameters, "clip_grad_value_")
+        if self.sync_gradients:  # like clip_grad_norm_: only reduced gradients can be clipped
+            self.engine.clip_grad_value_(float(clip_value))
+
+    def _check_all_parameters(self, parameters: Iterable[torch.Tensor], what: str) -> None:
+        given = {id(p) for p in parameters}
+        model = self.engine.module
+        trainable = {id(p) for p in model.parameters() if p.requires_grad}
+        if not trainable <= given <= {id(p) for p in model.parameters()}:
+            raise ValueError(
+                f"{what} under ZeRO works on all of the prepared model's trainable parameters "
+                "at once (the norm is global over shards): pass model.parameters()"
+            )
+
+    # ------------------------------------------------------------------ data
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """Accelerate's loader for the rest of a resumed epoch, whose iterator leaves the global
+        torch generator alone, so a resume is bit-exact with dropout (and a shuffled loader).
+
+        Starting a DataLoader iterator draws its workers' base seed from the global CPU
+        generator (unless the loader has its own ``generator``). The uninterrupted run drew it
+        at the start of the epoch, before ``save_state`` recorded the generator; the resumed run
+        would draw it again right after ``load_state`` restored it, shifting every later CPU
+        draw (dropout) by one. This loader draws it from a copy of the global generator taken
+        here instead: the seed plain Accelerate would use, the global stream untouched. With
+        ``num_batches=0`` the resumed run starts a new epoch, as the uninterrupted one did
+        (drawing), so the loader is Accelerate's own. Iterate it for that epoch only, as
+        Accelerate documents; later epochs use the original loader."""
+        skipped = super().skip_first_batches(dataloader, num_batches)
+        if num_batches > 0:
+            _seed_workers_from_a_copy(skipped)
+        return skipped
+
+    # ------------------------------------------------------------------ weights
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = True) -> nn.Module:
+        if isinstance(model, ZeroModel):
+            return model.module
+        return super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """Consolidated fp32 weights with the user's keys, on every rank (a collective: call
+        it on all ranks; ``save_model`` does)."""
+        zero = self._zero_model
+        if zero is not None and (model is zero or model is zero.module):
+            return self.engine.full_state_dict()
+        return super().get_state_dict(model, unwrap)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
+                   **save_model_func_kwargs: Any) -> Path:
+        """Accelerate's state folder (schedulers, samplers, RNG, step, custom objects) with the
+        engine's sharded model and optimizer in ``zero_checkpoint/``; every rank calls it."""
+        if self._zero_model is None:
+            return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+        with self._zero_objects_hidden():
+            location = super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+        # Schedulers restore their own fields but not the optimizer's lr: keep the groups too.
+        groups = [{k: v for k, v in g.items() if k != "params"}
+                  for g in self.engine.user_optimizer.param_groups]
+        # A fixed tag: saving into the same folder again replaces it, as Accelerate's files are.
+        self.engine.save_checkpoint(Path(location) / CHECKPOINT_SUBDIR, tag=CHECKPOINT_TAG,
+                                    client_state={"param_groups": groups})
+        self.wait_for_everyone()  # nobody reads or prunes the folder before every rank wrote
+        return Path(location)
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None,
+                   **load_model_func_kwargs: Any) -> None:
+        """Validate, then restore: the engine's checkpoint is checked completely and read,
+        the state folder's files are checked (regular files inside it), registered objects'
+        files are unpickled with ``weights_only=True`` only (Accelerate itself uses
+        ``weights_only=False``); then Accelerate restores its own state and the engine
+        commits. A refused checkpoint leaves the ZeRO model and optimizer as they were."""
+        if self._zero_model is None:
+            return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        folder = Path(self._checkpoint_dir(input_dir))
+        _check_state_folder(folder)
+        custom = _read_custom_states(folder, len(self._custom_objects))
+
+        def restore_accelerate(client: dict[str, Any] | None) -> None:  # before the commit
+            groups = (client or {}).get("param_groups", [])
+            if len(groups) != len(self.engine.user_optimizer.param_groups):
+                raise CheckpointError(
+                    f"{folder}: saved with {len(groups)} optimizer param groups, the optimizer "
+                    f"has {len(self.engine.user_optimizer.param_groups)}")
+            with self._zero_objects_hidden(), _custom_states_from(custom):
+                Accelerator.load_state(self, str(folder), load_kwargs, **load_model_func_kwargs)
+
+        client = checkpoint_read.load(self.engine, folder / CHECKPOINT_SUBDIR,
+                              before_commit=restore_accelerate) or {}
+        for group, saved in zip(self.engine.user_optimizer.param_groups,
+                                client.get("param_groups", [])):
+            group.update(saved)
+
+    def _checkpoint_dir(self, input_dir: str | None) -> str:
+        """``input_dir``, or the latest automatically named checkpoint (as Accelerate picks it)."""
+        if input_dir is not None:
+            path = os.path.expanduser(input_dir)
+            if not os.path.isdir(path):
+                raise ValueError(f"checkpoint folder {path} does not exist")
+            return path
+        if not self.project_configuration.automatic_checkpoint_naming:
+            raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+        root = os.path.join(self.project_dir, "checkpoints")
+        folders = sorted(os.listdir(root), key=lambda f: int(re.findall(r"(\d+)$", f)[0]))
+        return str(member(Path(root), Path(root, folders[-1]), "checkpoint folder",
+                          directory=True))
+
+    @contextlib.contextmanager
+    def _zero_objects_hidden(self) -> Iterator[None]:
+        """Accelerate's save/load without the ZeRO model and optimizer, which have no full
+        state dict: everything else it checkpoints keeps its native format."""
+        models, optimizers = self._models, self._optimizers
+        self._models = [m for m in models if m is not self._zero_model]
+        self._optimizers = [o for o in optimizers
+                            if not any(o is z for z in self._zero_optimizers)]
+        try:
+            yield
+        finally:
+            self._models, self._optimizers = models, optimizers
+
+    def free_memory(self, *objects: Any) -> Any:
+        if self._zero_model is not None:
+            self.engine.close()
+            self._zero_model, self._zero_optimizers, self._zero_turns = None, [], None
+        return super().free_memory(*objects)
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _model_of(args: tuple[Any, ...], optimizer: int, models: list[int]) -> int:
+    """Position of the model ``args[optimizer]`` was built on (its first parameter's)."""
+    first = args[optimizer].param_groups[0]["params"][0]
+    owners = [i for i in models if any(p is first for p in args[i].parameters())]
+    if not owners:
+        raise ValueError(
+            f"prepare() got an optimizer ({type(args[optimizer]).__name__}, argument "
+            f"{optimizer}) but not the model it was built on; pass them in the same call")
+    return owners[0]
+
+
+# The files Accelerate's load_state reads from a state folder, by name.
+_ACCELERATE_FILES = re.compile(
+    r"(model|pytorch_model|optimizer|scheduler|sampler|dl_state_dict)(_\d+)?\.(bin|safetensors)"
+    r"|random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl|scaler\.pt")
+
+
+def _check_state_folder(folder: Path) -> None:
+    """Each file Accelerate will read is a regular file inside the folder: no link out of it,
+    no FIFO or device (reading ``/dev/zero`` never ends). What those files contain is read by
+    Accelerate (``weights_only=True``, except registered objects: see ``_read_custom_states``)."""
+    for entry in folder.iterdir():
+        if _ACCELERATE_FILES.fullmatch(entry.name):
+            member(folder, entry, f"Accelerate state file {entry.name!r}")
+
+
+def _read_custom_states(folder: Path, count: int) -> list[Any]:
+    """The states of the ``count`` registered objects, unpickled with ``weights_only=True``
+    (tensors, numbers, strings, containers: no code runs); a file that needs more is refused."""
+    states = []
+    for index in range(count):
+        file = folder / f"custom_checkpoint_{index}.pkl"
+        if not file.exists() and not file.is_symlink():
+            states.append(None)  # Accelerate's own count check reports it
+            continue
+        member(folder, file, f"registered object {index}'s state")
+        try:
+            states.append(accelerate_load(file, map_location="cpu", weights_only=True))
+        except Exception as e:  # the restricted unpickler refused something: never retried
+            raise CheckpointError(
+                f"{file}: refused: cannot be unpickled with weights_only=True ({refusal(e)}). "
+                "Accelerate would load it with weights_only=False, which runs any code the "
+                "file holds; a registered object's state_dict() must hold plain data "
+                "(tensors, numbers, strings, lists, dicts)") from e
+    return states
+
+
+@contextlib.contextmanager
+def _custom_states_from(states: list[Any]) -> Iterator[None]:
+    """Accelerate (1.x) unpickles registered objects' files with ``weights_only=False``.
+    For the duration of one ``load_state`` its loader hands out the states read safely
+    beforehand instead (``accelerate.accelerator`` calls it by this module-level name)."""
+    import accelerate.accelerator as accelerator_module
+
+    original = accelerator_module.load_custom_state
+
+    def load(obj: Any, path: str, index: int = 0) -> None:
+        obj.load_state_dict(states[index])
+
+    accelerator_module.load_custom_state = load
+    try:
+        yield
+    finally:
+        accelerator_module.load_custom_state = original
+
+
+def _seed_workers_from_a_copy(loader: Any) -> None:
+    """Give ``loader`` (or the torch DataLoader Accelerate wraps in it) a generator of its own
+    for the base-seed draw its iterators make, a copy of the global CPU generator's state, when
+    it has none. Its sampler is already built, so the generator is used for nothing else;
+    a loader with the user's own generator is left as it is (that draw is part of its epoch)."""
+    base = getattr(loader, "base_dataloader", loader)  # DataLoaderShard / Dispatcher wrap one
+    if isinstance(base, DataLoader) and base.generator is None:
+        copy = torch.Generator()
+        copy.set_state(torch.get_rng_state())
+        base.generator = copy
+
+
+def _reject_other_backends(kwargs: dict[str, Any]) -> None:
+    for name in ("deepspeed_plugin", "deepspeed_plugins", "fsdp_plugin", "megatron_lm_plugin",
+                 "torch_tp_plugin", "parallelism_config"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"ZeroAccelerator replaces Accelerate's sharding: {name}= cannot be "
+                             "combined with it")
+    for var in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_MEGATRON_LM"):
+        if os.environ.get(var, "false").lower() == "true":
+            raise ValueError(
+                f"launched with {var}=true (a DeepSpeed/FSDP/Megatron accelerate config): "
+                "ZeroAccelerator needs a plain multi-process config (distributed_type MULTI_GPU "
+                "or MULTI_CPU), see conf/accelerate/multi_process.yaml"
+            )
+
+
+def _has_accelerator_device() -> bool:
+    probe = getattr(torch, "accelerator", None)
+    if probe is not None and hasattr(probe, "is_available"):
+        return bool(probe.is_available())
+    return torch.cuda.is_available()
+
+
+def _ensure_process_group(device: torch.device, num_processes: int) -> None:
+    """The engine needs torch.distributed; a plain ``python script.py`` gets a group of one."""
+    if collectives.group_is_initialized():
+        world = collectives.group_size()
+    else:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != num_processes:  # e.g. every rank would read the whole data set
+        raise RuntimeError(
+            f"{world} processes were launched but Accelerate counts {num_processes}: its state "
+            "was probably created before the ZeroAccelerator without cpu=True (e.g. by "
+            "PartialState() on a machine without GPUs); create the ZeroAccelerator first, or "
+            "pass cpu=True to what created the state"
+        )
+    if not collectives.group_is_initialized():
+        collectives.init_single_process_group(device)

@@ -1,0 +1,256 @@
+"""What the Lightning, Fabric and Accelerate adapters share, none of it tied to one framework.
+
+The ZeRO presets (``zero1`` ... ``zero3_offload``), building a ``ZeroConfig`` from a
+strategy's keyword arguments and merging the framework's precision flag into it, the module
+wrapper the frameworks call, and saving and loading the engine's checkpoint with the
+framework's own state beside it. No sharding logic lives in any adapter: everything that
+touches parameters goes through the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import itertools
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..checkpoint import read as checkpoint_read
+from ..config import PRECISIONS, ZeroConfig
+from ..engine import ZeroEngine
+
+# Mirrors Lightning's deepspeed_stage_* presets: "_offload" moves what the stage shards to CPU.
+PRESETS: dict[str, dict[str, Any]] = {
+    "zero1": {"stage": 1},
+    "zero2": {"stage": 2},
+    "zero3": {"stage": 3},
+    "zero2_offload": {"stage": 2, "offload_optimizer": True},
+    "zero3_offload": {"stage": 3, "offload_optimizer": True, "offload_params": True},
+}
+PRESET_DESCRIPTIONS: dict[str, str] = {
+    "zero1": "ZeRO stage 1 (optimizer states sharded)",
+    "zero2": "ZeRO stage 2 (optimizer states and gradients sharded)",
+    "zero3": "ZeRO stage 3 (optimizer states, gradients and parameters sharded)",
+    "zero2_offload": "ZeRO stage 2, optimizer shard and its states in CPU memory",
+    "zero3_offload": "ZeRO stage 3, optimizer and parameter shards in CPU memory",
+}
+CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(ZeroConfig))
+CLIENT_KEY = "zero_strategy.framework_state"
+"""Key of the serialized framework state (loops, callbacks, schedulers, hyperparameters, the
+user optimizer's hyperparameters) in the engine checkpoint's client state."""
+CHECKPOINT_TAG = "checkpoint"
+"""One path, one checkpoint: saving again to the same path replaces it (atomically)."""
+
+
+# ---------------------------------------------------------------------- config and precision
+def build_config(config: ZeroConfig | None, options: dict[str, Any], owner: str) -> ZeroConfig:
+    """``config`` (default ``ZeroConfig()``) with ``options`` (ZeroConfig fields) replaced."""
+    if config is not None and not isinstance(config, ZeroConfig):
+        raise TypeError(f"{owner}(config=...) must be a ZeroConfig, got {type(config).__name__}")
+    unknown = sorted(set(options) - set(CONFIG_FIELDS))
+    if unknown:
+        raise TypeError(
+            f"{owner} got unknown option(s) {unknown}; allowed: config=ZeroConfig(...), "
+            "process_group_backend, timeout, param_init_fn, or ZeroConfig fields "
+            f"{list(CONFIG_FIELDS)}"
+        )
+    base = config if config is not None else ZeroConfig()
+    return dataclasses.replace(base, **options) if options else base
+
+
+def with_timeout(config: ZeroConfig, timeout: timedelta | float | None) -> ZeroConfig:
+    """``config`` with the strategy's ``timeout=`` (a timedelta or seconds) as its
+    ``ZeroConfig.timeout``; None keeps the config's. The process group is created with the
+    result too, so the engine's collectives and the framework's share one limit."""
+    if timeout is None:
+        return config
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    return dataclasses.replace(config, timeout=seconds)
+
+
+def precision_explicit(config: ZeroConfig | None, options: dict[str, Any]) -> bool:
+    """Whether the user chose a precision in the strategy itself (not left the default)."""
+    return "precision" in options or (config is not None and config.precision != "32-true")
+
+
+def merge_precision(config: ZeroConfig, flag: str, explicit: bool, owner: str) -> ZeroConfig:
+    """Combine the framework's ``precision=`` flag with the strategy's config.
+
+    The framework always passes a flag ("32-true" when the user gave none), so a config that
+    chose a precision wins over "32-true"; two different explicit choices are an error.
+    """
+    if flag not in PRECISIONS:
+        raise ValueError(
+            f"{owner} does not support precision={flag!r}; allowed: {list(PRECISIONS)} "
+            "(the engine keeps fp32 master weights for the mixed modes)"
+        )
+    if flag == config.precision:
+        return config
+    if not explicit:
+        return dataclasses.replace(config, precision=flag)
+    if flag == "32-true":
+        return config
+    raise ValueError(
+        f"precision conflict: the framework was given precision={flag!r} but "
+        f"{owner}(config=...) has precision={config.precision!r}; set it in one place"
+    )
+
+
+def generic_precision_name(plugin: Any, generic: tuple[type, ...], owner: str) -> str:
+    """The precision name of a plugin the framework built from its ``precision=`` flag.
+
+    Lightning and Fabric replace the plugin of a strategy they do not know with their own
+    (AMP autocast, GradScaler, torch clipping); we take its name and do the work in the engine.
+    Any other plugin would change numerics behind the engine's back, so it is refused.
+    """
+    if type(plugin) not in generic:
+        allowed = ", ".join(t.__name__ for t in generic)
+        raise TypeError(
+            f"{owner} handles precision itself and cannot use the plugin "
+            f"{type(plugin).__name__}; pass precision=... (one of {list(PRECISIONS)}) instead "
+            f"of a precision plugin (accepted generic plugins: {allowed})"
+        )
+    return str(plugin.precision)
+
+
+# ---------------------------------------------------------------------- engine helpers
+_FORWARD_COUNTER = itertools.count(1)
+
+
+class EngineModule(nn.Module):
+    """What the frameworks call as "the model": ``forward`` goes through the engine.
+
+    The user's module is registered as ``module`` so ``train()``/``eval()`` reach it. Lightning
+    redirects ``training_step`` and friends through this ``forward``, so every step runs inside
+    the engine's forward (buffer broadcast, input casts, stage-3 gathers).
+    """
+
+    def __init__(self, engine: ZeroEngine) -> None:
+        super().__init__()
+        self.module = engine.module
+        self.engine = engine
+        self.calls = 0
+        """Value of a process-wide counter at the last forward (which model ran last)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls = next(_FORWARD_COUNTER)
+        return self.engine(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self.engine.no_sync():
+            yield
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
+
+
+def placeholder_optimizer(module: nn.Module) -> torch.optim.Optimizer | None:
+    """Evaluation-only engines still need an optimizer: plain SGD keeps no state at all."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    return torch.optim.SGD(params, lr=0.0) if params else None
+
+
+def backward_kwargs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``Tensor.backward``'s positional arguments by name (``engine.backward`` takes kwargs)."""
+    names = ("gradient", "retain_graph", "create_graph", "inputs")
+    if len(args) > len(names):
+        raise TypeError(f"backward takes at most {len(names)} positional options {names}")
+    return {**dict(zip(names, args)), **kwargs}
+
+
+def group_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The user optimizer's hyperparameters (lr, betas, ...), without the parameters.
+
+    The engine reads them at every step; a resume must restore them before LR schedulers
+    continue, as DDP does by loading the optimizer state dict.
+    """
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def check_group_count(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"the checkpoint's optimizer has {len(groups)} param groups, the current one has "
+            f"{len(optimizer.param_groups)}: build the optimizer the way it was built when saving"
+        )
+
+
+def restore_hyperparameters(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    check_group_count(optimizer, groups)
+    for group, saved in zip(optimizer.param_groups, groups):
+        group.update(saved)
+
+
+def save_engine_checkpoint(engine: ZeroEngine, path: Path, state: dict[str, Any]) -> None:
+    """The engine's shards plus the framework's ``state`` in its client state, one atomic tag.
+
+    ``state`` (loops, callbacks, hyperparameters, ...) holds arbitrary objects while the engine
+    reads its client state with ``weights_only=True``, so it travels as serialized bytes.
+    """
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    engine.save_checkpoint(path, tag=CHECKPOINT_TAG, client_state={CLIENT_KEY: payload})
+
+
+def load_engine_checkpoint(engine: ZeroEngine, path: Path, with_optimizer: bool, owner: str,
+                           weights_only: bool | None = None) -> dict[str, Any]:
+    """Restore the engine from ``path``; returns the framework state saved beside it.
+
+    The framework state is decoded and checked before the engine changes, so a checkpoint
+    refused for any reason leaves the model and optimizer as they were. Evaluation-only
+    engines carry a placeholder optimizer whose state must not be loaded.
+    """
+    if path.is_file():
+        raise ValueError(
+            f"{owner} resumes from the checkpoint directories it saves, but {str(path)!r} is a "
+            "file. To start from a consolidated or DDP checkpoint, load its state dict into "
+            "the model before training starts"
+        )
+    decoded: dict[str, Any] = {}
+
+    def check(client: dict[str, Any] | None) -> None:  # every rank, before the engine changes
+        decoded.update(decode_state(client, path, owner, weights_only))
+        groups = decoded.get("param_groups")
+        if with_optimizer and groups is not None:
+            check_group_count(engine.user_optimizer, groups)
+
+    checkpoint_read.load(engine, path, load_optimizer=with_optimizer, before_commit=check)
+    return decoded
+
+
+def decode_state(client: dict[str, Any] | None, path: Path, owner: str,
+                 weights_only: bool | None = None) -> dict[str, Any]:
+    if not client or CLIENT_KEY not in client:
+        raise ValueError(
+            f"{str(path)!r} is a zero_strategy checkpoint without {owner}'s state (saved with "
+            "ZeroEngine.save_checkpoint directly?): load it with engine.load_checkpoint"
+        )
+    data = io.BytesIO(client[CLIENT_KEY].numpy().tobytes())
+    # Passed through as Lightning does for local .ckpt files: None leaves it to torch, whose
+    # default is weights_only=True, so a checkpoint cannot run code unless the user says so.
+    try:
+        return torch.load(data, map_location="cpu", weights_only=weights_only)
+    except Exception as e:  # the unpickler refused a type, or the bytes are damaged
+        raise ValueError(
+            f"{str(path)!r}: {owner}'s saved state cannot be loaded with weights_only="
+            f"{weights_only!r} ({e}); if you trust this checkpoint, pass weights_only=False "
+            "(e.g. trainer.fit(..., weights_only=False))"
+        ) from e
+
+
+def read_client_state(path: str | os.PathLike, owner: str,
+                      tag: str | None = None) -> dict[str, Any]:
+    """The framework state of a checkpoint directory, read in one process (no engine)."""
+    return decode_state(checkpoint_read.read_client_state(path, tag), Path(path), owner)
+
+

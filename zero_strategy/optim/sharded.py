@@ -1,0 +1,286 @@
+"""The user's optimizers, rebuilt over what this rank holds.
+
+An elementwise optimizer (SGD, Adam, AdamW, ...) becomes a ``ShardPart``: the same class with
+the same hyperparameters, given one tensor per parameter piece in this rank's shard (a view of
+the master shard); it computes exactly what it would on the whole parameters, and each
+parameter keeps its own state and step count, so a parameter that gets no gradient on any rank
+in a step (frozen, or an unused expert) is skipped exactly as torch skips a parameter whose
+``.grad`` is None. An optimizer that reads parameters whole (Muon, Adafactor) becomes an
+``owner.OwnerPart``. The user's optimizer objects stay the source of hyperparameters: LR
+schedulers attached to them keep working because their groups are copied onto the inner
+groups before every step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from ..comm.collectives import Communicator
+from ..core.units import Unit
+from .combined import parts as combined_parts
+from .inner import IMPLEMENTATION_KEYS, inner_groups, rebuild, state_record, sync_hyperparameters
+from .owner import OwnerPart
+
+# How many parameter-sized state tensors each optimizer keeps (the ZeRO formula's K / 4 in
+# fp32). Used for the memory prediction before the first step has created any state.
+_STATES_PER_PARAM = {
+    "Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1, "Adadelta": 2,
+    "RMSprop": 1, "Rprop": 2, "ASGD": 2,
+}
+
+
+# torch's optimizers whose update of each element reads only that element's gradient and
+# state: run on flat shards they compute exactly what they compute on whole parameters.
+ELEMENTWISE = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop,
+    torch.optim.Rprop, torch.optim.ASGD,
+)
+
+
+# torch's optimizers whose update reads a parameter as a whole but each parameter on its own
+# (Muon's orthogonalisation, Adafactor's row/column statistics): exact when one rank updates
+# each whole parameter (``owner.OwnerPart``).
+PER_PARAMETER = (torch.optim.Muon, torch.optim.Adafactor)
+
+# Optimizers that couple parameters or need what a step() without a closure cannot give.
+REFUSED = {
+    torch.optim.LBFGS: "LBFGS treats all its parameters as one vector and re-evaluates the loss "
+                       "through a closure",
+    torch.optim.SparseAdam: "SparseAdam needs sparse gradients; ZeRO reduces dense ones",
+}
+
+
+def placement(optimizer: torch.optim.Optimizer, declared: bool) -> str:
+    """"shard": run on the flat shard pieces (exact for elementwise updates, the fast path);
+    "owner": each whole parameter updated on one owning rank (exact for any update that reads
+    only that parameter: its shape, norms, rows or columns). ``declared``
+    (``ZeroConfig(elementwise_optimizer=True)``) puts a user-defined optimizer on shards."""
+    for base, why in REFUSED.items():
+        if isinstance(optimizer, base):
+            raise ValueError(f"{type(optimizer).__name__} cannot be trained with ZeRO: {why}")
+    for base in ELEMENTWISE:  # a subclass that keeps the base's step is the same math
+        if isinstance(optimizer, base) and type(optimizer).step is base.step:
+            return "shard"
+    user_defined = not type(optimizer).__module__.startswith("torch.")
+    if declared and user_defined:
+        return "shard"
+    return "owner"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One optimizer tensor: the piece of one parameter that lies in this rank's shard."""
+
+    unit: Unit
+    index: int
+    """The parameter's slot in the unit's layout."""
+    group: int
+    start: int
+    end: int
+    view: torch.Tensor
+
+
+def _segments(units: list[Unit], rank: int) -> list[Segment]:
+    out = []
+    for unit in units:
+        slot_index = {slot.name: i for i, slot in enumerate(unit.layout.slots)}
+        for piece in unit.layout.pieces(rank):
+            start, end = piece.shard_start, piece.shard_start + piece.numel
+            out.append(Segment(unit, slot_index[piece.slot.name], piece.slot.group, start, end,
+                               unit.param_store.master[start:end]))
+    return out
+
+
+class ShardPart:
+    """An elementwise optimizer over the pieces of its parameters in this rank's shard."""
+
+    def __init__(self, user: torch.optim.Optimizer, first_group: int,
+                 segments: list[Segment], units: list[Unit]) -> None:
+        self.user = user
+        self.units = units
+        self.groups = range(first_group, first_group + len(user.param_groups))
+        self.segments = [seg for seg in segments if seg.group in self.groups]
+        params: list[list[torch.Tensor]] = [[] for _ in user.param_groups]
+        for seg in self.segments:
+            params[seg.group - first_group].append(seg.view)
+        self.inner = rebuild(type(user), user.defaults, inner_groups(user, params))
+
+    def add_segments(self, new: list[Segment]) -> None:
+        """Pieces of parameters added to the user's optimizer after construction."""
+        self.groups = range(self.groups.start, self.groups.start + len(self.user.param_groups))
+        while len(self.inner.param_groups) < len(self.user.param_groups):
+            user_group = self.user.param_groups[len(self.inner.param_groups)]
+            hyper = {k: v for k, v in user_group.items() if k not in IMPLEMENTATION_KEYS}
+            self.inner.add_param_group({**hyper, "params": []})
+        for seg in new:
+            self.segments.append(seg)
+            self.inner.param_groups[seg.group - self.groups.start]["params"].append(seg.view)
+
+    def step(self) -> None:
+        sync_hyperparameters(self.user, self.inner)
+        for seg in self.segments:
+            if seg.unit.stepped[seg.index]:
+                seg.view.grad = seg.unit.master_grad[seg.start : seg.end]
+        try:
+            self.inner.step()
+        finally:
+            for seg in self.segments:
+                seg.view.grad = None
+
+    def records(self) -> dict[str, dict[str, Any]]:
+        """Records of the parameters whose pieces on this rank have optimizer state."""
+        out: dict[str, dict[str, Any]] = {}
+        for seg in self.segments:
+            state = self.inner.state.get(seg.view, {})
+            if state:  # else never stepped (frozen since construction, or never used)
+                record = state_record(state)
+                known = out.setdefault(seg.unit.layout.slots[seg.index].name, record)
+                known["tensors"] += [k for k in record["tensors"] if k not in known["tensors"]]
+        return out
+
+    def state_pieces(self) -> Iterator[tuple[Segment, str, torch.Tensor]]:
+        for seg in self.segments:
+            for key, value in self.inner.state.get(seg.view, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    yield seg, key, value
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [t for s in self.inner.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor)]
+
+    def state_numel(self) -> tuple[int, int]:
+        """(elements of parameter-sized state, elements of parameters) on this rank."""
+        sized = sum(v.numel() for _, _, v in self.state_pieces())
+        return sized, sum(seg.view.numel() for seg in self.segments)
+
+
+class ShardedOptimizer:
+    """The user's optimizers (one, or the parts of a ``CombinedOptimizer``), each rebuilt as a
+    ``ShardPart`` over this rank's shard pieces or an ``OwnerPart`` over whole parameters
+    placed on owning ranks; groups are numbered across the parts in order."""
+
+    def __init__(self, user_optimizer: torch.optim.Optimizer, units: list[Unit],
+                 comm: Communicator, shards: int, declared_elementwise: bool = False,
+                 exchange_numel: int = 5_000_000) -> None:
+        self.user = user_optimizer
+        self.units = units
+        self.comm = comm
+        self.shards = shards
+        self.rank = comm.rank if shards > 1 else 0
+        self.segments = _segments(units, self.rank)
+        self.parts: list[ShardPart | OwnerPart] = []
+        first = 0
+        for opt in combined_parts(user_optimizer):
+            if placement(opt, declared_elementwise) == "shard":
+                self.parts.append(ShardPart(opt, first, self.segments, units))
+            else:
+                self.parts.append(OwnerPart(opt, first, units, comm, exchange_numel))
+            first += len(opt.param_groups)
+
+    def check_adoptable(self) -> None:
+        """Groups may be added to the last optimizer only, and only to a shard-placed one:
+        groups are numbered across the optimizers, and owners are placed at construction."""
+        for k, part in enumerate(self.parts):
+            if len(part.user.param_groups) == len(part.groups):
+                continue
+            name = type(part.user).__name__
+            if k != len(self.parts) - 1:
+                raise ValueError(
+                    f"a param group was added to {name}, optimizer {k} of {len(self.parts)}: "
+                    "with several optimizers only the last may gain groups after the engine "
+                    "is built; build the others with every parameter they will train (frozen "
+                    "ones included)")
+            if not isinstance(part, ShardPart):
+                raise ValueError(
+                    f"a param group was added to {name}, whose parameters are placed whole on "
+                    "owning ranks when the engine is built; build it with every parameter it "
+                    "will train (frozen ones included)")
+
+    def add_units(self, units: list[Unit]) -> None:
+        """Parameters the engine took over after construction (unfrozen and added to the
+        last of the user's optimizers): their pieces join its inner groups."""
+        new = _segments(units, self.rank)  # self.units is the engine's list: already extended
+        self.segments += new
+        last = self.parts[-1]
+        assert isinstance(last, ShardPart), "check_adoptable() runs first"
+        last.add_segments(new)
+
+    def step(self) -> None:
+        for unit in self.units:  # the host is about to write masters copies may still read
+            unit.param_store.wait_host_copies()
+        with record_function("zero::optimizer_step"):
+            for part in self.parts:
+                part.step()
+
+    def master_grads(self) -> list[torch.Tensor]:
+        return [unit.master_grad for unit in self.units]
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """Norm of the whole (reduced) gradient, from the shards every rank holds; on the
+        communication device (offloaded shards are summed on the host, then moved)."""
+        return global_norm(self.master_grads(), float(norm_type), self.comm, self.shards > 1)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        total = self.grad_norm(norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        on: dict[torch.device, torch.Tensor] = {}  # one copy per device, not one per unit
+        for g in self.master_grads():
+            if g.device not in on:
+                on[g.device] = coef.to(g.device)
+            g.mul_(on[g.device].to(g.dtype))
+        return total
+
+    def states_per_param(self) -> int:
+        """Parameter-sized state tensors per parameter of the shard-placed optimizers,
+        measured once state exists (before: the count each optimizer is known to keep)."""
+        shard_parts = [p for p in self.parts if isinstance(p, ShardPart)]
+        sized = sum(p.state_numel()[0] for p in shard_parts)
+        numel = sum(p.state_numel()[1] for p in shard_parts)
+        if sized and numel:
+            return round(sized / numel)
+        return max((known_states(p.user) for p in shard_parts), default=0)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [t for part in self.parts for t in part.state_tensors()]
+
+    def state_pieces(self) -> Iterator[tuple[Segment, str, torch.Tensor]]:
+        """Parameter-sized states of the shard-placed optimizers, piece by piece."""
+        for part in self.parts:
+            if isinstance(part, ShardPart):
+                yield from part.state_pieces()
+
+
+def known_states(optimizer: torch.optim.Optimizer) -> int:
+    name = type(optimizer).__name__
+    if name == "SGD":
+        return 1 if optimizer.defaults.get("momentum", 0) else 0
+    return _STATES_PER_PARAM.get(name, 2)
+
+
+def global_norm(grads: list[torch.Tensor], norm_type: float, comm: Communicator,
+                sharded: bool) -> torch.Tensor:
+    """The ``norm_type`` norm over every rank's ``grads`` (disjoint shards when ``sharded``),
+    as an fp32 scalar on ``comm.device``."""
+    grads = [g for g in grads if g.numel()]
+    device = grads[0].device if grads else comm.device
+    if math.isinf(norm_type):
+        local = torch.stack([g.abs().max().float() for g in grads]
+                            or [torch.zeros((), device=device)]).max()
+        local = local.to(comm.device)
+        if sharded:
+            comm.all_reduce_max(local)
+        return local
+    local = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        local += torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type
+    local = local.to(comm.device)
+    if sharded:
+        comm.all_reduce(local)
+    return local ** (1.0 / norm_type)
