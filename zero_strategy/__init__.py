@@ -12,13 +12,14 @@ from .config import LossScaleConfig, ZeroConfig
 from .core.materialize import meta_init
 from .core.runtime import GatherOrderError
 from .engine import ZeroEngine
-from .integrations.registration import register_if_installed, register_strategies
+from .integrations.registration import register_if_lightning_imported, register_strategies
 from .memory import MemoryEstimate, estimate_memory
 from .optim.combined import CombinedOptimizer
 
-# Lightning has no entry point for strategy names: with Lightning installed, this imports it
-# and registers zero1 ... zero3_offload for Trainer and Fabric (integrations/registration.py).
-register_if_installed()
+# Lightning has no entry point for strategy names: if this process has imported Lightning,
+# zero1 ... zero3_offload are registered for Trainer and Fabric now; otherwise by importing
+# zero_strategy.lightning / .fabric or calling register_strategies() (registration.py).
+register_if_lightning_imported()
 
 __all__ = [
     "CheckpointError", "CombinedOptimizer", "GatherOrderError", "LossScaleConfig",

@@ -6,6 +6,10 @@ from .integrations import require
 
 require("lightning", "zero_strategy.lightning")
 
+from .integrations.registration import register_strategies  # noqa: E402
+
+register_strategies()  # Trainer and Fabric names: this entry point means Lightning is in use
+
 from .integrations.lightning import (  # noqa: E402
     ZeroPrecision,
     ZeroStrategy,

@@ -2,45 +2,39 @@
 
 Lightning looks a strategy name up in two registries (``lightning.pytorch.strategies.
 StrategyRegistry`` for ``Trainer``, ``lightning.fabric.strategies.STRATEGY_REGISTRY`` for
-``Fabric``) and offers no entry point through which an installed package could add to them.
-So registering means importing Lightning and our two adapters, which is what
-``register_strategies()`` does; ``import zero_strategy`` calls it when Lightning is installed
-(``pip install "zero-strategy[lightning]"``), so ``Trainer(strategy="zero3")`` works after
-``import zero_strategy`` in either import order. Without Lightning installed nothing is
-imported and the engine alone costs no more than torch.
+``Fabric``) and offers no entry point through which an installed package could add to them,
+so registering means importing Lightning and our two adapters. That costs about 9 s and
+110 MiB of resident memory in every process (Lightning imports torchmetrics and, through it,
+transformers), which a process using only the engine or Accelerate must not pay because
+Lightning happens to be installed. So the names are registered, explicitly, by:
 
-Importing Lightning takes several seconds (it imports torchmetrics and, through it,
-transformers when installed). A process that only uses the engine or Accelerate in an
-environment that also has Lightning can skip it with ``ZERO_STRATEGY_REGISTER=0`` and call
-``register_strategies()`` later if it needs the names after all.
+- ``import zero_strategy`` when Lightning is already imported (``import lightning`` before
+  ``import zero_strategy``, as sorted imports put it): nothing more to import;
+- importing a Lightning entry point, ``zero_strategy.lightning`` or ``zero_strategy.fabric``;
+- calling ``zero_strategy.register_strategies()``.
+
+Nothing is installed into the import system: a process that imports Lightning only after
+``zero_strategy`` and none of the above gets Lightning's own "unknown strategy" error.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
-import warnings
-
-SKIP_ENV = "ZERO_STRATEGY_REGISTER"
+import sys
 
 _registered = False
 
 
-def lightning_installed() -> bool:
-    return importlib.util.find_spec("lightning") is not None
-
-
 def register_strategies() -> None:
-    """Register the names with both of Lightning's registries (idempotent).
-
-    Also routes ``LightningModule.load_from_checkpoint`` on one of our sharded checkpoint
-    directories to the consolidating reader (``integrations.lightning.register``).
-    Raises ImportError, naming the extra to install, when Lightning is not installed.
-    """
+    """Register the presets with both of Lightning's registries (imports Lightning;
+    idempotent). Also routes ``LightningModule.load_from_checkpoint`` on one of our sharded
+    checkpoint directories to the consolidating reader (``integrations.lightning.register``).
+    Raises ImportError naming the extra to install when Lightning is not installed."""
     global _registered
     if _registered:
         return
+    from . import require
+
+    require("lightning", "zero_strategy.register_strategies()")
     from . import fabric, lightning
 
     fabric.register()
@@ -48,20 +42,10 @@ def register_strategies() -> None:
     _registered = True
 
 
-def register_if_installed() -> bool:
-    """What ``import zero_strategy`` runs: registers when Lightning is installed, unless
-    ``ZERO_STRATEGY_REGISTER=0``. A Lightning that is installed but fails to import is
-    reported, not raised: the engine does not need it."""
-    setting = os.environ.get(SKIP_ENV, "1")
-    if setting not in ("0", "1"):
-        raise ValueError(f"{SKIP_ENV}={setting!r}: use 1 (register the Lightning strategy "
-                         "names on import, the default) or 0 (do not import Lightning)")
-    if setting == "0" or not lightning_installed():
+def register_if_lightning_imported() -> bool:
+    """What ``import zero_strategy`` runs: registers when this process has already imported
+    Lightning (so registering imports nothing new)."""
+    if not any(name in sys.modules for name in ("lightning.pytorch", "lightning.fabric")):
         return False
-    try:
-        register_strategies()
-    except ImportError as e:
-        warnings.warn(f"Lightning is installed but importing it failed ({e}); the strategy "
-                      "names zero1 ... zero3_offload are not registered", stacklevel=2)
-        return False
+    register_strategies()
     return True
