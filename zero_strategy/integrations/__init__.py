@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import importlib.util
 
-EXTRAS = {"lightning": "lightning", "accelerate": "accelerate"}
-
 
 def require(module: str, user: str) -> None:
-    """Raise ImportError naming the pip extra when ``module`` (a framework) is not installed."""
+    """Raise ImportError naming the pip extra when ``module`` (a framework) is not installed;
+    each framework's extra bears its name."""
     if importlib.util.find_spec(module) is None:
         raise ImportError(
             f"{user} needs {module!r}, which is not installed: "
-            f"pip install \"zero-strategy[{EXTRAS[module]}]\"")
+            f"pip install \"zero-strategy[{module}]\"")
