@@ -498,12 +498,16 @@ class ZeroEngine:
             return checkpoint_write.save(self, directory, tag=tag, client_state=client_state)
 
     def load_checkpoint(self, directory: str | os.PathLike, *, tag: str | None = None,
-                        load_optimizer: bool = True) -> dict[str, Any] | None:
-        """Resume from a checkpoint written on any world size and stage; returns the client
-        state saved with it."""
+                        load_optimizer: bool = True,
+                        trust_pickles: bool | None = None) -> dict[str, Any] | None:
+        """Resume from a checkpoint written on any world size and stage, by this engine, by
+        DeepSpeed (ZeRO stages 1-3) or with torch.distributed.checkpoint (FSDP); returns the
+        client state saved with it. Other systems' files are pickles, read with torch's
+        weights_only unpickler unless ``trust_pickles=True`` (see ``checkpoint/pickles.py``)."""
         self._check_open("load_checkpoint")
         with record_function("zero::load_checkpoint"):
-            return checkpoint_read.load(self, directory, tag=tag, load_optimizer=load_optimizer)
+            return checkpoint_read.load(self, directory, tag=tag, load_optimizer=load_optimizer,
+                                        trust_pickles=trust_pickles)
 
     def memory_report(self) -> dict[str, int | float | str]:
         """Model-state bytes this rank holds now, beside the ZeRO formula's prediction."""

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..optim.state import load_records, requests, restore_hyperparameters
+from .source import Entry, ReaderBase
 from .verify import (
     DTYPES_FROM_ST,
     PARAM_DTYPES,
@@ -52,9 +53,6 @@ from .write import (
 if TYPE_CHECKING:
     from ..comm.collectives import Communicator
     from ..engine import ZeroEngine
-
-
-Entry = tuple[str, Callable[[], torch.Tensor], tuple[int, ...], torch.dtype]
 
 
 class SafetensorsFile:
@@ -98,7 +96,7 @@ class SafetensorsFile:
         return out if start or end != numel else out.view(shape)
 
 
-class CheckpointReader:
+class CheckpointReader(ReaderBase):
     """A tag directory, checked completely when opened: the manifest's schema and layouts,
     each listed file (a regular file inside the directory, of the listed size) and every
     tensor header against the layout. Hashes are checked by ``verify`` (or, shared between
@@ -172,13 +170,7 @@ class CheckpointReader:
         if key in whole:
             value = self._open(shard_file(whole[key]["shard"])).read(whole_key(name, key))
             return value if start is None else value.reshape(-1)[start:end]
-        if start is None:
-            return self.read_param(name, key)
-        return self.read_range(name, key, start, end if end is not None else start)
-
-    def read_param(self, name: str, key: str = "master") -> torch.Tensor:
-        _, slot = self.where[name]
-        return self.read_range(name, key, 0, slot.numel).view(slot.shape)
+        return super().read_state(name, key, start, end)
 
     def module_keys(self) -> list[str]:
         return list(self._open(MODULE_FILE).keys())
@@ -186,28 +178,19 @@ class CheckpointReader:
     def module_tensor(self, key: str) -> torch.Tensor:
         return self._open(MODULE_FILE).read(key)
 
-    def entries(self, dtype: torch.dtype | None = None) -> Iterator[Entry]:
-        """(state_dict key, loader, shape, dtype) in the model's state_dict order."""
-        aliases = self.manifest["aliases"]
-        module = self._open(MODULE_FILE)
-        for key in self.manifest["state_dict_keys"]:
-            if key in aliases:
-                name = aliases[key]
-                shape = tuple(self.manifest["params"][name]["shape"])
-                stored = PARAM_DTYPES[self.manifest["params"][name]["dtype"]]
-                out = dtype or stored
-                yield key, (lambda n=name, o=out: self.read_param(n).to(o)), shape, out
-            else:
-                stored, shape = module.info(key)
-                out = dtype if dtype is not None and stored.is_floating_point else stored
-                yield key, (lambda k=key, o=out: self.module_tensor(k).to(o)), shape, out
+    def module_info(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        return self._open(MODULE_FILE).info(key)
+
+    def client_state(self) -> dict[str, Any] | None:
+        """Unpickled with weights_only=True; its hash is checked by the caller first."""
+        return _load_client_state(self.path, self.manifest)
 
 
 # ------------------------------------------------------------------------ loading an engine
 def load(engine: ZeroEngine, directory: str | os.PathLike, *, tag: str | None = None,
          load_optimizer: bool = True,
          before_commit: Callable[[dict[str, Any] | None], None] | None = None,
-         ) -> dict[str, Any] | None:
+         trust_pickles: bool | None = None) -> dict[str, Any] | None:
     """Every rank calls this; returns the client state saved with the checkpoint (or None).
 
     Validate, then mutate: the checkpoint is checked completely, its files hashed (each rank
@@ -218,7 +201,8 @@ def load(engine: ZeroEngine, directory: str | os.PathLike, *, tag: str | None = 
     adapter restoring its own state there is covered by the same agreement).
     """
     comm = engine.comm
-    reader = _on_all_ranks(comm, lambda: _open_checked(engine, directory, tag, load_optimizer))
+    reader = _on_all_ranks(comm, lambda: _open_checked(engine, directory, tag, load_optimizer,
+                                                       trust_pickles))
     _on_all_ranks(comm, lambda: _verify_share(engine, reader))
     staged = _on_all_ranks(comm, lambda: _stage(engine, reader, load_optimizer, before_commit))
     _commit(engine, staged, load_optimizer)
@@ -243,18 +227,33 @@ def _on_all_ranks(comm: Communicator, action: Callable[[], Any]) -> Any:
     return result
 
 
+def open_reader(directory: str | os.PathLike, tag: str | None = None, *,
+                trust: bool | None = None) -> ReaderBase:
+    """A reader for the checkpoint at ``directory``, whoever wrote it, told by its layout:
+    ours (a manifest, or ``latest`` naming a tag that has one), DeepSpeed's (``latest`` naming
+    a tag with ``*model_states.pt``) or DCP's (a ``.metadata`` file)."""
+    from . import dcp, deepspeed
+
+    root = Path(directory)
+    ds_tag = deepspeed.deepspeed_tag(root, tag) if root.is_dir() else None
+    if ds_tag is not None:
+        return deepspeed.DeepSpeedReader(ds_tag, trust=trust)
+    if root.is_dir() and tag is None and (root / dcp.METADATA).is_file():
+        return dcp.DcpReader(root, trust=trust)
+    return CheckpointReader(resolve(directory, tag))
+
+
 def _open_checked(engine: ZeroEngine, directory: str | os.PathLike, tag: str | None,
-                  load_optimizer: bool) -> CheckpointReader:
-    reader = CheckpointReader(resolve(directory, tag))
+                  load_optimizer: bool, trust_pickles: bool | None = None) -> ReaderBase:
+    reader = open_reader(directory, tag, trust=trust_pickles)
     _check_same_model(engine, reader)
     _check_loadable(engine, reader, load_optimizer)
     return reader
 
 
-def _check_same_model(engine: ZeroEngine, reader: CheckpointReader) -> None:
+def _check_same_model(engine: ZeroEngine, reader: ReaderBase) -> None:
     saved = {n: tuple(v["shape"]) for n, v in reader.manifest["params"].items()}
     current = {slot.name: slot.shape for u in engine.units for slot in u.layout.slots}
-    module = reader._open(MODULE_FILE)
     saved_module = set(reader.manifest["state_dict_keys"]) - set(reader.manifest["aliases"])
     unmanaged = engine.unmanaged_state()
     kinds = {
@@ -268,8 +267,9 @@ def _check_same_model(engine: ZeroEngine, reader: CheckpointReader) -> None:
         "buffers or frozen parameters missing from the checkpoint":
             [k for k in unmanaged if k not in saved_module],
         "buffers or frozen parameters of another shape or dtype (checkpoint vs model)":
-            [f"{k} {module.info(k)} vs {t.dtype, tuple(t.shape)}" for k, t in unmanaged.items()
-             if k in saved_module and not _fits(module.info(k), t)],
+            [f"{k} {reader.module_info(k)} vs {t.dtype, tuple(t.shape)}"
+             for k, t in unmanaged.items()
+             if k in saved_module and not _fits(reader.module_info(k), t)],
     }
     problems = [f"{len(v)} {kind} (e.g. {', '.join(v[:3])})" for kind, v in kinds.items() if v]
     if problems:
@@ -285,11 +285,14 @@ def _fits(info: tuple[torch.dtype, tuple[int, ...]], tensor: torch.Tensor) -> bo
     return shape == tuple(tensor.shape) and same_kind
 
 
-def _check_loadable(engine: ZeroEngine, reader: CheckpointReader, load_optimizer: bool) -> None:
+def _check_loadable(engine: ZeroEngine, reader: ReaderBase, load_optimizer: bool) -> None:
     """What the commit will apply besides tensors, tried on copies: the optimizer, its
     hyperparameters and the loss scaler's state."""
-    manifest, file = reader.manifest, reader.path / MANIFEST
-    if load_optimizer and manifest["optimizer"] != optimizer_name(engine):
+    manifest = reader.manifest
+    file = reader.path / MANIFEST if reader.kind == "zero_strategy" else reader.path
+    if load_optimizer and manifest["optimizer"] is None:
+        _check_foreign_optimizer(engine, reader)
+    elif load_optimizer and manifest["optimizer"] != optimizer_name(engine):
         raise CheckpointError(
             f"{file}: saved with optimizer {manifest['optimizer']}, loading into "
             f"{optimizer_name(engine)}; pass load_optimizer=False to load weights only")
@@ -314,6 +317,28 @@ def _check_loadable(engine: ZeroEngine, reader: CheckpointReader, load_optimizer
     scaler, state = engine.scaler, manifest["engine"]["loss_scaler"]
     if scaler is not None and state is not None:
         _try(file, "engine.loss_scaler", lambda: copy.deepcopy(scaler).load_state_dict(state))
+
+
+def _check_foreign_optimizer(engine: ZeroEngine, reader: ReaderBase) -> None:
+    """Another system's checkpoint does not name its optimizer class: the saved
+    hyperparameter names and state names must be this optimizer's (Adam's moments do not
+    load into SGD), and there must be as many param groups."""
+    groups = reader.manifest.get("param_groups") or []
+    current = engine.user_optimizer.param_groups
+    where = f"{reader.path} ({reader.manifest.get('written_by', reader.kind)})"
+    if groups and len(groups) != len(current):
+        raise CheckpointError(
+            f"{where}: saved with {len(groups)} optimizer param groups, loading into "
+            f"{len(current)}; build the optimizer as when saving, or pass "
+            "load_optimizer=False to load weights only")
+    for g, (now, saved) in enumerate(zip(current, groups)):
+        differ = sorted(set(saved) ^ (set(now) - {"params"}))
+        if differ:
+            raise CheckpointError(
+                f"{where}: param group {g} has hyperparameters {sorted(saved)}, the optimizer "
+                f"{optimizer_name(engine)} has {sorted(set(now) - {'params'})} (differing: "
+                f"{differ}): saved with another optimizer; pass load_optimizer=False to load "
+                "weights only")
 
 
 def _same_kind(current: Any, saved: Any) -> bool:
@@ -345,7 +370,7 @@ def _try(file: Path, field: str, action: Callable[[], None]) -> None:
                               "or forged manifest") from e
 
 
-def _verify_share(engine: ZeroEngine, reader: CheckpointReader) -> None:
+def _verify_share(engine: ZeroEngine, reader: ReaderBase) -> None:
     """This rank's share of the hashing: file i is hashed by rank i mod world size."""
     comm = engine.comm
     files = sorted(reader.manifest["files"])
@@ -358,7 +383,7 @@ def _verify_share(engine: ZeroEngine, reader: CheckpointReader) -> None:
 class _Staged:
     """Everything a load writes into the engine, read before the engine is touched."""
 
-    reader: CheckpointReader
+    reader: ReaderBase
     masters: list[tuple[torch.Tensor, int, torch.Tensor]]
     """(a unit's master shard, offset in it, values)"""
     module: dict[str, torch.Tensor]
@@ -371,7 +396,7 @@ class _Staged:
         return self.ranges[(name, key, start, end)]  # staged from the same requests
 
 
-def _stage(engine: ZeroEngine, reader: CheckpointReader, load_optimizer: bool,
+def _stage(engine: ZeroEngine, reader: ReaderBase, load_optimizer: bool,
            before_commit: Callable[[dict[str, Any] | None], None] | None) -> _Staged:
     """Read what this rank will write: its master pieces, the module's buffers, its optimizer
     state ranges, the client state. Costs one more copy of the rank's shard until commit."""
@@ -386,7 +411,7 @@ def _stage(engine: ZeroEngine, reader: CheckpointReader, load_optimizer: bool,
     records = param_records(reader.manifest) if load_optimizer else {}
     ranges = {request: reader.read_state(*request)
               for request in requests(engine.optimizer, records)}
-    client = _load_client_state(reader.path, reader.manifest)
+    client = reader.client_state()
     if before_commit is not None:
         before_commit(client)
     return _Staged(reader, masters, module, records, ranges, client)
@@ -448,8 +473,9 @@ def _load_client_state(path: Path, manifest: dict[str, Any],
 # ------------------------------------------------------------------------ consolidation
 def consolidate(directory: str | os.PathLike, *, tag: str | None = None,
                 dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The checkpoint as a plain ``model.state_dict()`` (loads with ``strict=True``)."""
-    reader = CheckpointReader(resolve(directory, tag))
+    """The checkpoint as a plain ``model.state_dict()`` (loads with ``strict=True``);
+    ours, DeepSpeed's or DCP's (see ``open_reader``)."""
+    reader = open_reader(directory, tag)
     reader.verify_all()
     return {key: load_fn() for key, load_fn, _, _ in reader.entries(dtype)}
 
@@ -458,7 +484,7 @@ def write_consolidated(directory: str | os.PathLike, out: str | os.PathLike, *,
                        tag: str | None = None, dtype: torch.dtype | None = None) -> Path:
     """Stream the consolidated state dict into a safetensors file, one tensor at a time: peak
     memory is the largest tensor, not the model. A failed write leaves no partial file."""
-    reader = CheckpointReader(resolve(directory, tag))
+    reader = open_reader(directory, tag)
     reader.verify_all()
     entries = list(reader.entries(dtype))
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": str(reader.path)}}

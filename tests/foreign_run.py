@@ -1,0 +1,132 @@
+"""The anchors' side of the foreign-checkpoint tests, run under torchrun: DeepSpeed (ZeRO
+stage 1-3) or FSDP2 trains ``tests.models.MLP`` for ``K`` steps, saves its own checkpoint
+(``<out>/at{K}``), goes on uninterrupted to step ``K + M`` and saves again (``<out>/at{K+M}``);
+rank 0 writes the losses of the continued steps to ``<out>/losses.json``.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 \\
+        tests/foreign_run.py deepspeed OUT STAGE
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/foreign_run.py fsdp2 OUT
+
+The data and loss are shared with our side (``tests/scenarios_foreign.py``): a global batch
+of ``ROWS`` rows per step, rank r of N taking rows [r ROWS/N, (r+1) ROWS/N), each rank's loss
+the mean over its rows, so the averaged gradient is the global batch's on any N dividing ROWS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+K, M, ROWS = 3, 3, 6
+ADAMW = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
+
+
+def make_model() -> torch.nn.Module:
+    from tests.models import MLP
+
+    torch.manual_seed(0)
+    return MLP()
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(ROWS, 16, generator=g), torch.randn(ROWS, 5, generator=g)
+
+
+def local(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    n = t.shape[0] // world
+    return t[rank * n : (rank + 1) * n]
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out.float() - y) ** 2).mean()
+
+
+def global_loss(loss: torch.Tensor) -> float:
+    """The global batch's loss: the mean of the ranks' equal-sized means."""
+    value = loss.detach().float().clone()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
+
+
+def _deepspeed(out: Path, stage: int) -> list[float]:
+    import logging
+
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    config = {
+        "train_micro_batch_size_per_gpu": ROWS // world, "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0, "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"]),
+                                                  "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=config)
+    losses = []
+    for step in range(K + M):
+        x, y = global_batch(step)
+        loss = loss_fn(engine(local(x, rank, world)), local(y, rank, world))
+        engine.backward(loss)
+        engine.step()
+        if step >= K:
+            losses.append(global_loss(loss))
+        if step + 1 in (K, K + M):
+            engine.save_checkpoint(str(out / f"at{step + 1}"), client_state={"data_step":
+                                                                             step + 1})
+    return losses
+
+
+def _fsdp2(out: Path) -> list[float]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    losses = []
+    for step in range(K + M):
+        x, y = global_batch(step)
+        loss = loss_fn(model(local(x, rank, world)), local(y, rank, world))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step >= K:
+            losses.append(global_loss(loss))
+        if step + 1 in (K, K + M):
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optimizer": osd, "train_state": {"data_step": step + 1}},
+                     checkpoint_id=str(out / f"at{step + 1}"))
+    return losses
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    mode, out = sys.argv[1], Path(sys.argv[2])
+    if mode == "deepspeed":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        losses = _deepspeed(out, int(sys.argv[3]))
+    else:
+        losses = _fsdp2(out)
+    if dist.get_rank() == 0:
+        (out / "losses.json").write_text(json.dumps(losses))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

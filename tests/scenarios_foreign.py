@@ -1,0 +1,47 @@
+"""Our side of the foreign-checkpoint tests (test_foreign_checkpoints.py): load the step-K
+checkpoint an anchor wrote (``tests/foreign_run.py``) and continue to K + M on this world
+size and stage; the results are compared with the anchor's uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import zero_strategy as zs
+from tests.foreign_run import ADAMW, K, M, global_batch, global_loss, local, loss_fn
+from tests.harness import register
+from tests.models import MLP
+
+ROOT = Path(os.environ.get("ZS_FOREIGN_ROOT", "/tmp/zs-foreign"))
+
+
+def resume(source: str, stage: int) -> dict:
+    torch.manual_seed(123)  # another initialisation: every weight must come from the file
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), **{**ADAMW, "lr": 0.5, "weight_decay": 0.0})
+    engine = zs.ZeroEngine(model, opt, zs.ZeroConfig(stage=stage))
+    client = engine.load_checkpoint(ROOT / source / f"at{K}")
+    restored = {"lr": opt.param_groups[0]["lr"],
+                "weight_decay": opt.param_groups[0]["weight_decay"],
+                "global_step": engine.global_step}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(K, K + M):
+        x, y = global_batch(step)
+        loss = loss_fn(engine(local(x, rank, world)), local(y, rank, world))
+        engine.backward(loss)
+        engine.step()
+        losses.append(global_loss(loss))
+    final = {k: v.tolist() for k, v in engine.full_state_dict().items()}
+    return {"losses": losses, "final": final, "restored": restored,
+            "client": {k: v for k, v in (client or {}).items() if k in ("data_step",
+                                                                        "train_state")}}
+
+
+for _source in os.environ.get("ZS_FOREIGN_SOURCES", "").split(","):
+    if _source:
+        name, stage = _source.split(":")
+        register(f"resume_{name}", resume, source=name, stage=int(stage))

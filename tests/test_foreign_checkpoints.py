@@ -1,0 +1,105 @@
+"""Resuming other systems' checkpoints with their optimizer: DeepSpeed ZeRO stage 3 written
+on 2 ranks continues under our stage 2 on 3 ranks, FSDP2's DCP checkpoint written on 2 ranks
+under our stage 3 on 1 rank; each against the anchor's own uninterrupted run.
+
+Tolerance. Everything is fp32 and the arithmetic after loading is the same on both sides
+(torch's AdamW on the same masters and moments); what differs is how a gradient is summed:
+the anchor adds 2 ranks' partial means, we add 3 (or 1) of different row groups, so each
+gradient element differs by a few ulps of the addends, |dg| <= ~4 eps32 |g| (eps32 = 1.2e-7).
+Through Adam's m / sqrt(v) that is a relative change of the same order in each update of
+size <= lr = 1e-2, so after M = 3 steps a weight moves at most 3 * 1e-2 * 4 * 1.2e-7 ~ 1.5e-8
+from the anchor's, far below 1e-6 except where v is tiny and the division amplifies: an
+element whose gradients are ~eps (Adam's eps = 1e-8) can differ by up to a full lr step
+relative to its size. No such element exists in this model (the smallest |g| is ~1e-4, see
+the check below), so weights are compared at 1e-6 absolute and the losses, sums of 30
+squared errors of size ~1, at 1e-6 relative.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.harness import ROOT, check, run_world
+from zero_strategy.checkpoint.read import consolidate, open_reader
+
+HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+def _torchrun(*args: str, cwd: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         "2", str(ROOT / "tests" / "foreign_run.py"), *args],
+        env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The anchors' checkpoints and uninterrupted runs, then our resumed runs."""
+    root = tmp_path_factory.mktemp("foreign")
+    sources = []
+    if HAVE_DEEPSPEED:
+        (root / "ds3").mkdir()
+        _torchrun("deepspeed", str(root / "ds3"), "3", cwd=root)
+        sources.append(("ds3", 3, 2))  # written at ZeRO-3 on 2 ranks, read at our stage 2, N=3
+    (root / "fsdp2").mkdir()
+    _torchrun("fsdp2", str(root / "fsdp2"), cwd=root)
+    sources.append(("fsdp2", 1, 3))  # written by FSDP2 on 2 ranks, read at stage 3, N=1
+    for name, world, stage in sources:
+        results = run_world("tests/scenarios_foreign.py", world, env={
+            "ZS_FOREIGN_ROOT": str(root), "ZS_FOREIGN_SOURCES": f"{name}:{stage}"})
+        out = check(results[f"resume_{name}"])[0]
+        (root / name / "ours.json").write_text(json.dumps(out))
+    return root
+
+
+def _compare(root: Path, name: str) -> dict:
+    ours = json.loads((root / name / "ours.json").read_text())
+    anchor_losses = json.loads((root / name / "losses.json").read_text())
+    final = consolidate(root / name / "at6")
+    assert ours["restored"]["lr"] == 1e-2 and ours["restored"]["weight_decay"] == 0.1
+    assert ours["losses"] == pytest.approx(anchor_losses, rel=1e-6)
+    assert set(ours["final"]) == set(final)
+    for key, value in final.items():
+        torch.testing.assert_close(torch.tensor(ours["final"][key]), value, rtol=0, atol=1e-6)
+    return ours
+
+
+@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed not installed (the anchors extra)")
+def test_deepspeed_zero3_on_2_ranks_resumes_at_our_stage2_on_3(written: Path) -> None:
+    ours = _compare(written, "ds3")
+    assert ours["restored"]["global_step"] == 3
+    assert ours["client"] == {"data_step": 3}  # DeepSpeed's client_state comes back
+
+
+def test_fsdp2_dcp_on_2_ranks_resumes_at_our_stage3_on_1(written: Path) -> None:
+    ours = _compare(written, "fsdp2")
+    assert ours["restored"]["global_step"] == 3  # Adam's step count, as DCP holds no other
+    assert ours["client"] == {"train_state": {"data_step": 3}}
+
+
+def test_loaded_optimizer_state_is_the_anchors(written: Path) -> None:
+    """The moments read back equal what the anchor's own loader sees, element for element:
+    DCP's via dcp.load into a plain state dict, DeepSpeed's via zero_to_fp32's layout."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = open_reader(written / "fsdp2" / "at3")
+    name = "blocks.0.0.weight"
+    shape = tuple(reader.manifest["params"][name]["shape"])
+    target = {"optimizer": {"state": {name: {"exp_avg": torch.zeros(shape)}}}}
+    dcp.load(target, checkpoint_id=str(written / "fsdp2" / "at3"), no_dist=True)
+    torch.testing.assert_close(reader.read_param(name, "exp_avg"),
+                               target["optimizer"]["state"][name]["exp_avg"], rtol=0, atol=0)
+    smallest = min(reader.read_param(n, "exp_avg_sq").sqrt().min().item()
+                   for n in reader.manifest["params"])
+    assert smallest > 1e-6  # no element where Adam's eps dominates (see the tolerance)

@@ -1,0 +1,305 @@
+"""Reading a DeepSpeed ZeRO checkpoint (stages 1, 2 and 3; fp32, fp16 or bf16 training) by
+parameter name and element range, so it loads into any of our stages and world sizes.
+
+Layout, as DeepSpeed 0.19 writes it (``engine.save_checkpoint``; Lightning's
+``DeepSpeedStrategy`` uses the same with tag ``checkpoint``):
+
+- ``<dir>/latest`` names the tag directory; in it ``mp_rank_00_model_states.pt`` (stages
+  1-2) or ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` (stage 3, one per rank) hold the
+  module's state_dict (compute dtype; empty placeholders for stage-3 parameters),
+  ``param_shapes`` (per param group, name -> shape, in flattening order), frozen and shared
+  parameters, step counters and the client state; ``[bf16_]zero_pp_rank_<r>_mp_rank_00_
+  optim_states.pt`` hold rank r's fp32 master partition and optimizer state.
+- Stages 1-2: each param group is one flat vector (its parameters in ``param_shapes`` order,
+  each followed by its ``param_alignment_paddings``, the end padded), cut into equal
+  partitions, partition r on rank r; the optimizer state is laid out like it.
+- Stage 3: every parameter is cut into ``ceil(numel / N)`` elements per rank (the last
+  padded); rank r's flat vector is its piece of each parameter in ``param_shapes`` order,
+  stored as one or more sub-groups; the optimizer state follows the sub-groups.
+
+Nothing is imported from DeepSpeed and no file is unpickled beyond tensors and allow-listed
+records (``pickles.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .pickles import load_torch_file
+from .source import MappedFile, ReaderBase, foreign_manifest, slice_flat
+from .verify import member, plain_name
+from .write import CheckpointError
+
+_RANK_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_(model|optim)_states\.pt$")
+_MODEL_FILE = "mp_rank_00_model_states.pt"
+_DS_KEYS = {
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
+    "shared_params", "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
+    "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
+    "dp_world_size", "mp_world_size", "ds_config", "ds_version",
+    "checkpoint_parallel_dimensions", "universal_checkpoint_info",
+}
+"""Model-states keys DeepSpeed writes itself; every other key is the client state."""
+
+
+def deepspeed_tag(directory: Path, tag: str | None = None) -> Path | None:
+    """The tag directory of a DeepSpeed checkpoint at ``directory`` (the directory given to
+    ``save_checkpoint`` or a tag directory), or None if it is not laid out as one."""
+    if not directory.is_dir():
+        return None
+    if tag is None and _model_files(directory):
+        return directory
+    if tag is None:
+        latest = directory / "latest"
+        if not latest.is_file():
+            return None
+        tag = latest.read_text(errors="replace").strip()
+    try:
+        path = directory / plain_name(tag, f"{directory}: tag")
+    except CheckpointError:
+        return None
+    if not path.is_dir() or not _model_files(path):
+        return None
+    member(directory, path, f"tag directory {tag!r}", directory=True)
+    return path
+
+
+def _model_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.name.endswith("model_states.pt"))
+
+
+def _rank_files(path: Path, kind: str) -> list[Path]:
+    """Rank-numbered files of ``kind`` ("model"/"optim"), in rank order, checked complete."""
+    found: dict[int, Path] = {}
+    for p in path.iterdir():
+        m = _RANK_FILE.match(p.name)
+        if not m or m.group(4) != kind:
+            continue
+        if m.group(3) != "00":
+            raise CheckpointError(f"{p}: a tensor- or pipeline-parallel DeepSpeed checkpoint "
+                                  "(mp_rank other than 00); only data parallelism is read")
+        member(path, p, p.name)
+        if int(m.group(2)) in found:
+            raise CheckpointError(f"{path}: two {kind} files for rank {m.group(2)}")
+        found[int(m.group(2))] = p
+    if sorted(found) != list(range(len(found))):
+        raise CheckpointError(f"{path}: {kind}-state files for ranks {sorted(found)}: some "
+                              "rank's file is missing (a save that did not complete?)")
+    return [found[r] for r in range(len(found))]
+
+
+def _field(file: Path, data: Any, key: str, kind: type | tuple[type, ...]) -> Any:
+    if not isinstance(data, dict) or key not in data:
+        raise CheckpointError(f"{file}: field {key!r} is missing: not a DeepSpeed ZeRO file")
+    if not isinstance(data[key], kind):
+        raise CheckpointError(f"{file}: field {key!r} is a {type(data[key]).__name__}")
+    return data[key]
+
+
+class DeepSpeedReader(ReaderBase):
+    kind = "deepspeed"
+
+    def __init__(self, path: Path, *, trust: bool | None = None) -> None:
+        self.path = path
+        self._trust = trust
+        optim_files = _rank_files(path, "optim")
+        if not optim_files:
+            raise CheckpointError(f"{path}: no *_optim_states.pt files: a DeepSpeed checkpoint "
+                                  "without ZeRO (stage 0) or an incomplete save")
+        self._optim_files = optim_files
+        self._optim: list[dict[str, Any] | None] = [None] * len(optim_files)
+        self._mapped = [MappedFile(f) for f in optim_files]
+        first = self._optimizer_state(0)
+        self.stage = _field(optim_files[0], first, "zero_stage", int)
+        if self.stage not in (1, 2, 3):
+            raise CheckpointError(f"{optim_files[0]}: field 'zero_stage' is {self.stage}")
+        self.world = len(optim_files)
+        counts = first.get("partition_count")
+        counts = counts if isinstance(counts, list) else [counts]
+        if any(c != self.world for c in counts):
+            raise CheckpointError(
+                f"{optim_files[0]}: field 'partition_count' is {counts} but {self.world} "
+                "optimizer files exist (an overwritten or partial checkpoint, or expert "
+                "parallelism, which is not read)")
+        model_files = _rank_files(path, "model") if self.stage == 3 else [path / _MODEL_FILE]
+        if not model_files or not model_files[0].is_file():
+            raise CheckpointError(f"{path}: the model-states file is missing")
+        self._model_files = model_files
+        self.states = load_torch_file(model_files[0], trust=trust)
+        if not isinstance(self.states, dict):
+            raise CheckpointError(f"{model_files[0]}: not a DeepSpeed model-states file")
+        self._frozen: dict[str, torch.Tensor] = {}
+        self._layout()
+        self.manifest = self._describe()
+
+    # ------------------------------------------------------------------ files
+    def _optimizer_state(self, rank: int) -> dict[str, Any]:
+        data = self._optim[rank]
+        if data is None:
+            file = self._optim_files[rank]
+            loaded = load_torch_file(file, trust=self._trust)
+            data = _field(file, loaded, "optimizer_state_dict", dict)
+            self._optim[rank] = data
+        return data
+
+    def _flat(self, rank: int, key: str) -> list[torch.Tensor]:
+        """Rank ``rank``'s flat vectors (one per group or sub-group) of ``key``."""
+        state = self._optimizer_state(rank)
+        file = self._optim_files[rank]
+        if key == "master":
+            field = "single_partition_of_fp32_groups" if self.stage < 3 else "fp32_flat_groups"
+            return list(_field(file, state, field, list))
+        if self.stage < 3:
+            base = _field(file, state, "base_optimizer_state", (dict, list))
+            entries = base["state"] if isinstance(base, dict) else dict(enumerate(base))
+        else:
+            entries = _field(file, state, "optimizer_state_dict", dict)["state"]
+        try:
+            return [entries[i][key] for i in sorted(entries)]
+        except (KeyError, TypeError) as e:
+            raise CheckpointError(f"{file}: optimizer state {key!r} is missing for a "
+                                  "group") from e
+
+    # ------------------------------------------------------------------ layout
+    def _layout(self) -> None:
+        """Where each trainable parameter's elements are: ``self.where[name]``."""
+        file = self._model_files[0]
+        shapes = _field(file, self.states, "param_shapes", list)
+        self.groups = [[(str(n), tuple(int(d) for d in s)) for n, s in g.items()]
+                       for g in shapes]
+        self.where: dict[str, tuple[int, int, int]] = {}
+        if self.stage < 3:
+            self._layout_flat_groups()
+        else:
+            self._layout_per_parameter()
+
+    def _layout_flat_groups(self) -> None:
+        file = self._optim_files[0]
+        state = self._optimizer_state(0)
+        paddings = state.get("param_alignment_paddings")
+        self.partition = [p.numel() for p in self._flat(0, "master")]
+        if len(self.partition) != len(self.groups):
+            raise CheckpointError(f"{file}: {len(self.partition)} fp32 partitions for "
+                                  f"{len(self.groups)} param groups")
+        for g, params in enumerate(self.groups):
+            offset = 0
+            for i, (name, shape) in enumerate(params):
+                numel = math.prod(shape)
+                self.where[name] = (g, offset, numel)
+                offset += numel + (int(paddings[g][i]) if paddings else 0)
+            if offset > self.partition[g] * self.world:
+                raise CheckpointError(
+                    f"{file}: group {g} needs {offset} elements, the {self.world} partitions "
+                    f"hold {self.partition[g] * self.world}: not the layout of these shapes")
+
+    def _layout_per_parameter(self) -> None:
+        offset = 0
+        for params in self.groups:
+            for name, shape in params:
+                numel = math.prod(shape)
+                self.where[name] = (0, offset, numel)
+                offset += -(-numel // self.world)
+        for rank in range(self.world):
+            held = sum(t.numel() for t in self._flat(rank, "master"))
+            if held != offset:
+                raise CheckpointError(
+                    f"{self._optim_files[rank]}: {held} master elements, the parameter "
+                    f"shapes need {offset} per rank: not the layout of these shapes")
+
+    def read_range(self, name: str, key: str, start: int, end: int) -> torch.Tensor:
+        group, offset, numel = self.where[name]
+        if not 0 <= start <= end <= numel:
+            raise CheckpointError(f"{self.path}: elements [{start}, {end}) of {name!r} are "
+                                  f"outside its {numel}")
+        parts: list[torch.Tensor] = []
+        if self.stage < 3:
+            size = self.partition[group]
+            lo, hi = offset + start, offset + end
+            for rank in range(lo // size, (hi - 1) // size + 1) if hi > lo else []:
+                a, b = max(lo, rank * size), min(hi, (rank + 1) * size)
+                flat = self._flat(rank, key)[group]
+                parts += slice_flat([flat], a - rank * size, b - rank * size,
+                                    self._mapped[rank].release)
+        else:
+            size = -(-numel // self.world)
+            for rank in range(start // size, (end - 1) // size + 1) if end > start else []:
+                a, b = max(start, rank * size), min(end, (rank + 1) * size)
+                parts += slice_flat(self._flat(rank, key), offset + a - rank * size,
+                                    offset + b - rank * size, self._mapped[rank].release)
+        out = torch.cat(parts) if len(parts) != 1 else parts[0]
+        return out.float() if key == "master" else out
+
+    # ------------------------------------------------------------------ description
+    def _describe(self) -> dict[str, Any]:
+        states, file = self.states, self._model_files[0]
+        module = _field(file, states, "module", dict)
+        params = {n: s for g in self.groups for n, s in g}
+        aliases = {n: n for n in params}
+        for alias, source in (states.get("shared_params") or {}).items():
+            if source in params:
+                aliases[str(alias)] = source
+        keys = list(module)
+        keys += [k for k in aliases if k not in keys]
+        groups, records = self._optimizer_description()
+        self._module = {k: v for k, v in module.items() if k not in aliases}
+        return foreign_manifest(
+            params=params, state_dict_keys=keys, aliases=aliases, param_groups=groups,
+            param_states=records, global_step=int(states.get("global_steps") or 0),
+            skipped_steps=int(states.get("skipped_steps") or 0),
+            written_by=f"DeepSpeed {states.get('ds_version', '?')} ZeRO stage {self.stage}")
+
+    def _optimizer_description(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        state, file = self._optimizer_state(0), self._optim_files[0]
+        if self.stage < 3:
+            base = _field(file, state, "base_optimizer_state", (dict, list))
+        else:
+            base = _field(file, state, "optimizer_state_dict", dict)
+        saved_groups = base.get("param_groups", []) if isinstance(base, dict) else []
+        groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()
+                   if k != "params"} for g in saved_groups]
+        if groups and len(groups) != len(self.groups):
+            raise CheckpointError(f"{file}: {len(groups)} optimizer param groups for "
+                                  f"{len(self.groups)} groups of parameters")
+        entries = base["state"] if isinstance(base, dict) else dict(enumerate(base))
+        first = entries[min(entries)] if entries else {}
+        scalars = {k: float(v) for k, v in first.items()
+                   if isinstance(v, (int, float)) or (torch.is_tensor(v) and v.dim() == 0)}
+        tensors = [k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0]
+        records = {n: {"scalars": dict(scalars), "tensors": list(tensors)}
+                   for g in self.groups for n, _ in g} if entries else {}
+        return groups, records
+
+    def module_info(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        tensor = self._module_entry(key)
+        return tensor.dtype, tuple(tensor.shape)
+
+    def module_tensor(self, key: str) -> torch.Tensor:
+        return self._module_entry(key).clone()
+
+    def _module_entry(self, key: str) -> torch.Tensor:
+        if key not in self._module:
+            raise CheckpointError(f"{self.path}: tensor {key!r} is missing")
+        frozen = self.states.get("frozen_param_shapes") or {}
+        if self.stage == 3 and key in frozen:  # frozen: a fragment per rank, like the masters
+            if key not in self._frozen:
+                shape = tuple(frozen[key])
+                frags = [load_torch_file(f, trust=self._trust)["frozen_param_fragments"][key]
+                         for f in self._model_files]
+                self._frozen[key] = torch.cat([f.reshape(-1) for f in frags])[
+                    : math.prod(shape)].view(shape)
+            return self._frozen[key]
+        return self._module[key]
+
+    def client_state(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.states.items() if k not in _DS_KEYS}
+        if self.states.get("lr_scheduler") is not None:
+            state["deepspeed_lr_scheduler"] = self.states["lr_scheduler"]
+        return state
+
+
+__all__ = ["DeepSpeedReader", "deepspeed_tag"]
