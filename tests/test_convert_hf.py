@@ -309,3 +309,24 @@ def test_mixed_keys_are_kept_and_unequal_ties_both_written(tmp_path: Path) -> No
     specs["lm_head.weight"] = ((8, 4), 1.0)  # equal now: dropped as save_pretrained does
     write_hf(FakeReader(specs), tmp_path / "tied", config=config)
     assert set(file_tensors(tmp_path / "tied")) == {"transformer.wte.weight", "model.extra"}
+
+
+def test_mixed_dtypes_are_laid_out_aligned(tmp_path: Path) -> None:
+    """Odd-sized tensors of four widths: each tensor's data starts at a multiple of its element
+    size in the file (a zero-copy view for mmap loaders), and every value comes back."""
+    values = {"a": torch.arange(3, dtype=torch.bfloat16), "b": torch.tensor([True, False, True]),
+              "c": torch.arange(5, dtype=torch.float32), "d": torch.arange(3, dtype=torch.int64)}
+
+    class DictReader:
+        def entries(self, dtype: torch.dtype | None = None) -> Iterator[Any]:
+            for key, v in values.items():
+                yield key, (lambda v=v: v.clone()), tuple(v.shape), v.dtype
+
+    file = write_hf(DictReader(), tmp_path / "hf") / WEIGHTS
+    raw = file.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + size])
+    assert list(header) == ["__metadata__", *values]  # the header in state-dict order
+    for key, v in values.items():
+        assert (8 + size + header[key]["data_offsets"][0]) % v.element_size() == 0, key
+    assert all(bitwise_equal(file_tensors(file.parent)[k], v) for k, v in values.items())

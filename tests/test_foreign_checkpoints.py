@@ -103,3 +103,107 @@ def test_loaded_optimizer_state_is_the_anchors(written: Path) -> None:
     smallest = min(reader.read_param(n, "exp_avg_sq").sqrt().min().item()
                    for n in reader.manifest["params"])
     assert smallest > 1e-6  # no element where Adam's eps dominates (see the tolerance)
+
+
+# ---------------------------------------------------------------- strangers' files
+class _Payload:
+    """Unpickling this runs a shell command: what a hostile checkpoint carries."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _refused(path: Path, marker: Path, client: bool = False) -> None:
+    from zero_strategy.checkpoint.write import CheckpointError
+
+    with pytest.raises(CheckpointError, match="trust_pickles=True") as error:
+        open_reader(path).client_state() if client else consolidate(path)
+    assert "can run any code" in str(error.value)
+    assert not marker.exists(), "the payload ran"
+
+
+def test_hostile_dcp_metadata_is_refused(written: Path, tmp_path: Path) -> None:
+    import pickle
+
+    ckpt = _copy(written / "fsdp2" / "at3", tmp_path / "ckpt")
+    marker = tmp_path / "pwned"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_Payload(marker), protocol=4))
+    _refused(ckpt, marker)
+
+
+def test_hostile_dcp_item_and_lightning_meta_are_refused(written: Path, tmp_path: Path) -> None:
+    """A bytes item pointed at a payload appended to a data file; and a payload as the
+    ``meta.pt`` Lightning's FSDPStrategy writes beside the shards."""
+    import io
+    import pickle
+
+    ckpt = _copy(written / "fsdp2" / "at3", tmp_path / "ckpt")
+    marker = tmp_path / "pwned"
+    meta = pickle.loads((ckpt / ".metadata").read_bytes())  # our own file: trusted here
+    blob = io.BytesIO()
+    torch.save(_Payload(marker), blob)
+    data = ckpt / "__0_0.distcp"
+    offset = data.stat().st_size
+    with open(data, "ab") as f:
+        f.write(blob.getvalue())
+    key = next(k for k in meta.storage_data if k.fqn == "train_state.data_step")
+    info = meta.storage_data[key]
+    meta.storage_data[key] = type(info)(info.relative_path, offset, len(blob.getvalue()),
+                                        info.transform_descriptors)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(meta))
+    _refused(ckpt, marker, client=True)
+    ckpt = _copy(written / "fsdp2" / "at3", tmp_path / "ckpt2")
+    torch.save(_Payload(marker), ckpt / "meta.pt")
+    _refused(ckpt, marker, client=True)
+
+
+def test_opting_in_reads_what_the_allow_list_refuses(written: Path, tmp_path: Path) -> None:
+    from argparse import Namespace
+
+    from zero_strategy.checkpoint.write import CheckpointError
+
+    ckpt = _copy(written / "fsdp2" / "at3", tmp_path / "ckpt")
+    torch.save({"hparams": Namespace(lr=1)}, ckpt / "meta.pt")  # harmless, but not allowed
+    with pytest.raises(CheckpointError, match="Namespace"):
+        open_reader(ckpt).client_state()
+    assert open_reader(ckpt, trust=True).client_state()["hparams"] == Namespace(lr=1)
+
+
+def test_truncated_dcp_data_is_a_clear_error(written: Path, tmp_path: Path) -> None:
+    from zero_strategy.checkpoint.write import CheckpointError
+
+    ckpt = _copy(written / "fsdp2" / "at3", tmp_path / "ckpt")
+    data = ckpt / "__1_0.distcp"
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"__1_0\.distcp.*outside the file's 100"):
+        consolidate(ckpt)
+
+
+@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed not installed (the anchors extra)")
+def test_hostile_and_incomplete_deepspeed_files(written: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from zero_strategy.checkpoint.write import CheckpointError
+
+    ckpt = _copy(written / "ds3" / "at3", tmp_path / "ckpt")
+    marker = tmp_path / "pwned"
+    optim = ckpt / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": _Payload(marker)}, optim)
+    _refused(ckpt, marker)
+    optim.unlink()
+    with pytest.raises(CheckpointError, match=r"'partition_count' is \[2\] but 1 optimizer"):
+        consolidate(ckpt)
+    shutil.copy(written / "ds3" / "at3" / "global_step3" / optim.name, optim)
+    (ckpt / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"ranks \[1\]: some rank's file is missing"):
+        consolidate(ckpt)

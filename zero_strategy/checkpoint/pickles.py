@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -119,9 +120,15 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
 
 def _refused(path: Path, error: Exception) -> CheckpointError:
-    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    text = str(error)
+    named = re.search(r"GLOBAL (\S+)|global (\S+) is not allowed|unrecognized function (\S+)",
+                      text)
+    if named:
+        reason = f"it names {next(g for g in named.groups() if g)}"
+    else:
+        reason = text.splitlines()[0] if text else type(error).__name__
     return CheckpointError(
-        f"{path}: refused to unpickle ({first}). This file is a pickle, and unpickling a "
+        f"{path}: refused to unpickle ({reason}). This file is a pickle, and unpickling a "
         "pickle can run any code it names; it was read with torch's weights_only unpickler "
         "and named something outside the allow-list. If you trust this checkpoint as you "
         f"would trust code, opt in with trust_pickles=True or {TRUST_ENV}=1")

@@ -16,7 +16,7 @@ import json
 import os
 import struct
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,10 +24,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..optim.state import load_records, requests, restore_hyperparameters
-from .source import Entry, ReaderBase
+from .source import ReaderBase
 from .verify import (
     DTYPES_FROM_ST,
-    PARAM_DTYPES,
     ST_DTYPES,
     check_tensors,
     member,
