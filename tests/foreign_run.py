@@ -86,6 +86,49 @@ def _deepspeed(out: Path, stage: int) -> list[float]:
     return losses
 
 
+def _deepspeed_zoo(out: Path) -> None:
+    """Stages 1-3 in fp32 and bf16, 2 steps each, saved to ``<out>/s{stage}_{precision}``
+    with DeepSpeed's own view of every parameter's full fp32 master and Adam moments
+    (``safe_get_full_*``, gathered from the live optimizer) in ``reference.pt`` beside it."""
+    import logging
+
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for stage in (1, 2, 3):
+        for precision in ("fp32", "bf16"):
+            model = make_model()
+            config = {
+                "train_micro_batch_size_per_gpu": ROWS // world, "steps_per_print": 10**9,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+                "zero_optimization": {"stage": stage},
+                "bf16": {"enabled": precision == "bf16"},
+            }
+            engine, _, _, _ = deepspeed.initialize(
+                model=model, model_parameters=model.parameters(), config=config)
+            dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+            for step in range(2):
+                x, y = global_batch(step)
+                loss = loss_fn(engine(local(x, rank, world).to(dtype)), local(y, rank, world))
+                engine.backward(loss)
+                engine.step()
+            path = out / f"s{stage}_{precision}"
+            engine.save_checkpoint(str(path))
+            reference = {}
+            for name, p in engine.module.named_parameters():
+                reference[name] = {
+                    "master": safe_get_full_fp32_param(p),
+                    "exp_avg": safe_get_full_optimizer_state(p, "exp_avg"),
+                    "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq")}
+            if rank == 0:
+                torch.save(reference, path / "reference.pt")
+            dist.barrier()
+            engine.destroy()
+
+
 def _fsdp2(out: Path) -> list[float]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -117,12 +160,16 @@ def _fsdp2(out: Path) -> list[float]:
 def main() -> None:
     torch.set_num_threads(1)
     mode, out = sys.argv[1], Path(sys.argv[2])
+    losses = None
     if mode == "deepspeed":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         losses = _deepspeed(out, int(sys.argv[3]))
+    elif mode == "deepspeed-zoo":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        _deepspeed_zoo(out)
     else:
         losses = _fsdp2(out)
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and losses is not None:
         (out / "losses.json").write_text(json.dumps(losses))
     dist.barrier()
     dist.destroy_process_group()
