@@ -6,6 +6,8 @@ rank 0 writes the losses of the continued steps to ``<out>/losses.json``.
     python -m torch.distributed.run --standalone --nproc-per-node 2 \\
         tests/foreign_run.py deepspeed OUT STAGE
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/foreign_run.py fsdp2 OUT
+    ... tests/foreign_run.py fsdp2-resume OUT DCP_DIR    (FSDP2 continues a converted checkpoint)
+    ... tests/foreign_run.py deepspeed-zoo OUT           (stages 1-3 x fp32/bf16, see its doc)
 
 The data and loss are shared with our side (``tests/scenarios_foreign.py``): a global batch
 of ``ROWS`` rows per step, rank r of N taking rows [r ROWS/N, (r+1) ROWS/N), each rank's loss
@@ -157,6 +159,46 @@ def _fsdp2(out: Path) -> list[float]:
     return losses
 
 
+def _fsdp2_resume(source: Path, out: Path) -> list[float]:
+    """FSDP2 loads a DCP checkpoint of step K (ours, converted) the way its users load one,
+    and continues to K + M; rank 0 also writes the final full state dict."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+        set_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(99)  # another initialisation: every weight must come from the file
+    from tests.models import MLP
+
+    model = MLP()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), **{**ADAMW, "lr": 0.5})
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=str(source))
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    losses = []
+    for step in range(K, K + M):
+        x, y = global_batch(step)
+        loss = loss_fn(model(local(x, rank, world)), local(y, rank, world))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(global_loss(loss))
+    final = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    if rank == 0:
+        torch.save({"state": {k: v.clone() for k, v in final.items()},
+                    "lr": opt.param_groups[0]["lr"]}, out / "final.pt")
+    return losses
+
+
 def main() -> None:
     torch.set_num_threads(1)
     mode, out = sys.argv[1], Path(sys.argv[2])
@@ -167,6 +209,8 @@ def main() -> None:
     elif mode == "deepspeed-zoo":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         _deepspeed_zoo(out)
+    elif mode == "fsdp2-resume":
+        losses = _fsdp2_resume(Path(sys.argv[3]), out)
     else:
         losses = _fsdp2(out)
     if dist.get_rank() == 0 and losses is not None:

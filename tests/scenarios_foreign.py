@@ -41,6 +41,32 @@ def resume(source: str, stage: int) -> dict:
                                                                         "train_state")}}
 
 
+def uninterrupted(stage: int) -> dict:
+    """Ours from step 0: the checkpoint at step K (``<root>/ours/at{K}``) and the run that
+    goes on to K + M without stopping."""
+    from tests.foreign_run import make_model
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    engine = zs.ZeroEngine(model, opt, zs.ZeroConfig(stage=stage))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(K + M):
+        x, y = global_batch(step)
+        loss = loss_fn(engine(local(x, rank, world)), local(y, rank, world))
+        engine.backward(loss)
+        engine.step()
+        if step >= K:
+            losses.append(global_loss(loss))
+        if step + 1 == K:
+            engine.save_checkpoint(ROOT / "ours" / f"at{K}")
+    final = {k: v.tolist() for k, v in engine.full_state_dict().items()}
+    return {"losses": losses, "final": final}
+
+
+if os.environ.get("ZS_FOREIGN_OURS"):
+    register("uninterrupted", uninterrupted, stage=int(os.environ["ZS_FOREIGN_OURS"]))
+
 for _source in os.environ.get("ZS_FOREIGN_SOURCES", "").split(","):
     if _source:
         name, stage = _source.split(":")

@@ -63,6 +63,70 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def ours_to_fsdp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Ours at stage 3 on 2 ranks, checkpoint at step K converted with ``zero-strategy
+    convert --to dcp``, FSDP2 on 2 ranks continuing from it; beside ours uninterrupted."""
+    root = tmp_path_factory.mktemp("to_fsdp2")
+    out = check(run_world("tests/scenarios_foreign.py", 2, env={
+        "ZS_FOREIGN_ROOT": str(root), "ZS_FOREIGN_OURS": "3"})["uninterrupted"])[0]
+    (root / "ours.json").write_text(json.dumps(out))
+    run = subprocess.run([sys.executable, "-m", "zero_strategy.cli", "convert",
+                          str(root / "ours" / "at3"), str(root / "dcp"), "--to", "dcp"],
+                         capture_output=True, text=True, cwd=root)
+    assert run.returncode == 0, run.stderr
+    (root / "fsdp2").mkdir()
+    _torchrun("fsdp2-resume", str(root / "fsdp2"), str(root / "dcp"), cwd=root)
+    return root
+
+
+def test_ours_converted_to_dcp_continues_under_fsdp2(ours_to_fsdp2: Path) -> None:
+    """Same tolerance argument as above (fp32, the same AdamW, 2 ranks on both sides)."""
+    ours = json.loads((ours_to_fsdp2 / "ours.json").read_text())
+    fsdp_losses = json.loads((ours_to_fsdp2 / "fsdp2" / "losses.json").read_text())
+    final = torch.load(ours_to_fsdp2 / "fsdp2" / "final.pt", weights_only=True)
+    assert final["lr"] == 1e-2  # the hyperparameters came through DCP's param_groups
+    assert fsdp_losses == pytest.approx(ours["losses"], rel=1e-6)
+    assert set(final["state"]) == set(ours["final"])
+    for key, value in final["state"].items():
+        torch.testing.assert_close(value, torch.tensor(ours["final"][key]), rtol=0, atol=1e-6)
+
+
+def test_converting_refuses_a_non_empty_target_and_unknown_formats(
+        ours_to_fsdp2: Path, tmp_path: Path) -> None:
+    from zero_strategy import cli
+
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    src = str(ours_to_fsdp2 / "ours" / "at3")
+    assert cli.main(["convert", src, str(tmp_path / "taken"), "--to", "dcp"]) == 2
+    assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
+    with pytest.raises(SystemExit):
+        cli.main(["convert", src, str(tmp_path / "x"), "--to", "safetensors"])
+    assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
+
+
+def test_converted_checkpoints_round_trip_exactly(written: Path, tmp_path: Path) -> None:
+    """DCP -> ours -> DCP: every weight, moment, step and hyperparameter unchanged; and the
+    converted checkpoint of ours verifies (its manifest lists every file's sha256)."""
+    from zero_strategy.checkpoint.convert import convert
+
+    src = written / "fsdp2" / "at3"
+    convert(src, tmp_path / "zero", "zero")
+    convert(tmp_path / "zero", tmp_path / "dcp", "dcp")
+    first, last = open_reader(src), open_reader(tmp_path / "dcp")
+    zero = open_reader(tmp_path / "zero")
+    zero.verify_all()
+    assert zero.manifest["converted_from"].startswith("torch.distributed.checkpoint")
+    for name in first.manifest["params"]:
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(first.read_param(name, key), last.read_param(name, key))
+    assert first.manifest["param_states"] == last.manifest["param_states"]
+    assert first.manifest["param_groups"] == last.manifest["param_groups"]
+    assert first.param_groups_of() == last.param_groups_of()
+    assert last.client_state() == first.client_state() == {"train_state": {"data_step": 3}}
+
+
 def _compare(root: Path, name: str) -> dict:
     ours = json.loads((root / name / "ours.json").read_text())
     anchor_losses = json.loads((root / name / "losses.json").read_text())

@@ -48,6 +48,17 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from .checkpoint.convert import convert
+
+    dtype = _DTYPES[args.dtype] if args.dtype else None
+    out = convert(args.source, args.target, args.to, tag=args.tag,
+                  trust_pickles=True if args.trust_pickles else None, config=args.config,
+                  prefix=args.prefix, dtype=dtype)
+    print(f"wrote {out} ({args.to})")
+    return 0
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -96,6 +107,25 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tag", help="tag to read instead of 'latest'")
     c.add_argument("--dtype", choices=sorted(_DTYPES), help="cast floating tensors")
     c.set_defaults(func=_consolidate)
+    v = sub.add_parser(
+        "convert", help="rewrite a checkpoint (ours, DeepSpeed ZeRO or DCP) as dcp, hf or zero",
+        description="Rewrite a checkpoint, ours or DeepSpeed's (ZeRO 1-3) or a "
+        "torch.distributed.checkpoint directory (FSDP2, torchtitan, Lightning's sharded FSDP), "
+        "as: dcp (for FSDP2's dcp.load + set_state_dict, with the optimizer), hf (a "
+        "save_pretrained directory for from_pretrained) or zero (ours). Streamed: memory "
+        "stays near the largest tensor.")
+    v.add_argument("source", help="checkpoint directory (its 'latest' tag) or a tag directory")
+    v.add_argument("target", help="output directory (must not exist, or be empty)")
+    v.add_argument("--to", required=True, choices=["dcp", "hf", "zero"])
+    v.add_argument("--tag", help="tag to read instead of 'latest'")
+    v.add_argument("--dtype", choices=sorted(_DTYPES), help="cast floating weights (dcp, hf)")
+    v.add_argument("--config", help="hf: a config.json, or a directory holding one")
+    v.add_argument("--prefix", help="hf: strip this from every key (default: 'model.' when "
+                   "every key has it, as a LightningModule's wrapped model)")
+    v.add_argument("--trust-pickles", action="store_true",
+                   help="unpickle the source's files with full pickle (runs code they name): "
+                   "only for checkpoints you trust as code")
+    v.set_defaults(func=_convert)
     e = sub.add_parser("estimate", help="per-rank memory of every stage, by the ZeRO formula")
     e.add_argument("--params", type=_parse_count, required=True, help="e.g. 124M, 7B")
     e.add_argument("--world-size", type=int, required=True)

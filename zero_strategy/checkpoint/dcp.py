@@ -136,11 +136,11 @@ class DcpReader(ReaderBase):
         params = {n: tuple(tensors[n].size) for n in trained}
         records = {n: self._record(n, params[n]) for n in trained if n in self.states}
         steps = [r["scalars"].get("step", 0) for r in records.values()]
-        self.groups_of_names = names
         return foreign_manifest(
             params=params, state_dict_keys=list(self.model), aliases={n: n for n in params},
             param_groups=groups or None, param_states=records,
-            global_step=int(max(steps, default=0)), written_by="torch.distributed.checkpoint")
+            global_step=int(max(steps, default=0)), written_by="torch.distributed.checkpoint",
+            group_names=names or None)
 
     def _record(self, name: str, shape: tuple[int, ...]) -> dict[str, Any]:
         scalars, tensors = {}, []

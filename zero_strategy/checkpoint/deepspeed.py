@@ -251,7 +251,8 @@ class DeepSpeedReader(ReaderBase):
             params=params, state_dict_keys=keys, aliases=aliases, param_groups=groups,
             param_states=records, global_step=int(states.get("global_steps") or 0),
             skipped_steps=int(states.get("skipped_steps") or 0),
-            written_by=f"DeepSpeed {states.get('ds_version', '?')} ZeRO stage {self.stage}")
+            written_by=f"DeepSpeed {states.get('ds_version', '?')} ZeRO stage {self.stage}",
+            group_names=[[n for n, _ in g] for g in self.groups])
 
     def _optimizer_description(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         state, file = self._optimizer_state(0), self._optim_files[0]

@@ -17,36 +17,22 @@ import json
 import os
 import secrets
 import shutil
-import struct
 import warnings
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .stream import TensorOut, raw_bytes, tensor_value, write_safetensors
 from .verify import ST_DTYPES
-from .write import CheckpointError, _fsync_dir, atomic_file, write_atomic
+from .write import CheckpointError, _fsync_dir, write_atomic
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
 WRAPPER_PREFIX = "model."
 """Where a LightningModule (the recipes' ``RecipeModule``) holds its HF model."""
-
-
-@dataclass(frozen=True)
-class _Tensor:
-    key: str
-    """Its name in the export (the state-dict key less the prefix)."""
-    load: Callable[[], torch.Tensor]
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return torch.Size(self.shape).numel() * self.dtype.itemsize
 
 
 def write_hf(reader: Any, out_dir: str | os.PathLike, *, config: Any = None,
@@ -119,7 +105,7 @@ def _check_target(out: Path) -> None:
                               "empty directory (nothing is overwritten)")
 
 
-def _renamed(entries: Iterable[Any], prefix: str | None, source: Any) -> list[_Tensor]:
+def _renamed(entries: Iterable[Any], prefix: str | None, source: Any) -> list[TensorOut]:
     """The reader's entries under their export names, each checked to be writable."""
     items = list(entries)
     if not items:
@@ -143,23 +129,8 @@ def _renamed(entries: Iterable[Any], prefix: str | None, source: Any) -> list[_T
         name = key[len(prefix):]
         if name == "__metadata__":
             raise CheckpointError(f"{source}: key {key!r} is reserved in safetensors")
-        out.append(_Tensor(name, load, tuple(shape), dt))
+        out.append(TensorOut(name, load, tuple(shape), dt))
     return out
-
-
-def _value(tensor: _Tensor) -> torch.Tensor:
-    """The tensor's data, checked against what the reader announced: the header was written
-    from the announcement, so a loader giving anything else would corrupt the file."""
-    value = tensor.load().detach().cpu().contiguous()
-    if tuple(value.shape) != tensor.shape or value.dtype != tensor.dtype:
-        raise CheckpointError(f"tensor {tensor.key!r}: the reader announced {tensor.dtype} "
-                              f"{list(tensor.shape)}, its loader gave {value.dtype} "
-                              f"{list(value.shape)}")
-    return value
-
-
-def _raw(value: torch.Tensor) -> memoryview:
-    return value.reshape(-1).view(torch.uint8).numpy().data
 
 
 # ---------------------------------------------------------------------------- config
@@ -256,7 +227,7 @@ def _model_classes(config: Any) -> list[Any]:
     return classes
 
 
-def _without_tied(tensors: list[_Tensor], config: Any) -> list[_Tensor]:
+def _without_tied(tensors: list[TensorOut], config: Any) -> list[TensorOut]:
     """Drop the targets of tied pairs whose two tensors are equal bit for bit (compared by
     sha256, one tensor in memory at a time). An unequal pair is kept: the weights were
     trained untied, and from_pretrained keeps two present, different tensors apart."""
@@ -266,8 +237,8 @@ def _without_tied(tensors: list[_Tensor], config: Any) -> list[_Tensor]:
 
     def digest(key: str) -> str:
         if key not in digests:
-            value = _value(by_key[key])
-            digests[key] = hashlib.sha256(_raw(value)).hexdigest()
+            value = tensor_value(by_key[key])
+            digests[key] = hashlib.sha256(raw_bytes(value)).hexdigest()
             del value
         return digests[key]
 
@@ -283,26 +254,26 @@ def _without_tied(tensors: list[_Tensor], config: Any) -> list[_Tensor]:
 
 
 # ---------------------------------------------------------------------------- weights
-def _write_weights(tensors: list[_Tensor], tmp: Path, max_shard_bytes: int) -> None:
+def _write_weights(tensors: list[TensorOut], tmp: Path, max_shard_bytes: int) -> None:
     shards = _plan_shards(tensors, max_shard_bytes)
     if len(shards) == 1:
-        _write_safetensors(tmp / WEIGHTS, shards[0])
+        write_safetensors(tmp / WEIGHTS, shards[0])
         return
     weight_map = {}
     for i, shard in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        _write_safetensors(tmp / name, shard)
+        write_safetensors(tmp / name, shard)
         weight_map.update({t.key: name for t in shard})
     index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
              "weight_map": weight_map}
     write_atomic(tmp / INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
 
 
-def _plan_shards(tensors: list[_Tensor], max_bytes: int) -> list[list[_Tensor]]:
+def _plan_shards(tensors: list[TensorOut], max_bytes: int) -> list[list[TensorOut]]:
     """Consecutive tensors in state-dict order, a new shard wherever the next would overflow
     (huggingface_hub's rule); a tensor over the limit goes alone."""
-    shards: list[list[_Tensor]] = []
-    current: list[_Tensor] = []
+    shards: list[list[TensorOut]] = []
+    current: list[TensorOut] = []
     size = 0
     for t in tensors:
         if current and size + t.nbytes > max_bytes:
@@ -312,31 +283,6 @@ def _plan_shards(tensors: list[_Tensor], max_bytes: int) -> list[list[_Tensor]]:
         size += t.nbytes
     shards.append(current)
     return shards
-
-
-def _write_safetensors(path: Path, shard: list[_Tensor]) -> None:
-    """One safetensors file, header first, then each tensor's data read and written alone.
-    The header lists tensors in state-dict order; the data is laid out widest dtype first
-    (as safetensors itself does), so every tensor starts aligned to its element size and
-    loads as a zero-copy view."""
-    layout = sorted(shard, key=lambda t: -t.dtype.itemsize)  # stable: state-dict order within
-    offsets, offset = {}, 0
-    for t in layout:
-        offsets[t.key] = [offset, offset + t.nbytes]
-        offset += t.nbytes
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    for t in shard:
-        header[t.key] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape),
-                         "data_offsets": offsets[t.key]}
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # tensor data 8-byte aligned, as safetensors writes it
-    with atomic_file(path) as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for t in layout:
-            value = _value(t)
-            f.write(_raw(value))
-            del value
 
 
 __all__ = ["write_hf"]

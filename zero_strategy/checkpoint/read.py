@@ -12,9 +12,7 @@ changes anything, so a rejected checkpoint leaves the engine as it was.
 from __future__ import annotations
 
 import copy
-import json
 import os
-import struct
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,9 +23,9 @@ import torch
 
 from ..optim.state import load_records, requests, restore_hyperparameters
 from .source import ReaderBase
+from .stream import TensorOut, write_safetensors
 from .verify import (
     DTYPES_FROM_ST,
-    ST_DTYPES,
     check_tensors,
     member,
     param_records,
@@ -43,7 +41,6 @@ from .write import (
     CheckpointError,
     _layout_from_json,
     _sha256,
-    atomic_file,
     optimizer_name,
     shard_file,
     whole_key,
@@ -180,6 +177,9 @@ class CheckpointReader(ReaderBase):
     def module_info(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
         return self._open(MODULE_FILE).info(key)
 
+    def param_groups_of(self) -> dict[str, int]:
+        return {slot.name: slot.group for lay in self.layouts for slot in lay.slots}
+
     def client_state(self) -> dict[str, Any] | None:
         """Unpickled with weights_only=True; its hash is checked by the caller first."""
         return _load_client_state(self.path, self.manifest)
@@ -289,7 +289,7 @@ def _check_loadable(engine: ZeroEngine, reader: ReaderBase, load_optimizer: bool
     hyperparameters and the loss scaler's state."""
     manifest = reader.manifest
     file = reader.path / MANIFEST if reader.kind == "zero_strategy" else reader.path
-    if load_optimizer and manifest["optimizer"] is None:
+    if load_optimizer and not manifest["optimizer"]:  # another system's, or converted
         _check_foreign_optimizer(engine, reader)
     elif load_optimizer and manifest["optimizer"] != optimizer_name(engine):
         raise CheckpointError(
@@ -485,24 +485,9 @@ def write_consolidated(directory: str | os.PathLike, out: str | os.PathLike, *,
     memory is the largest tensor, not the model. A failed write leaves no partial file."""
     reader = open_reader(directory, tag)
     reader.verify_all()
-    entries = list(reader.entries(dtype))
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": str(reader.path)}}
-    offset = 0
-    for key, _, shape, dt in entries:
-        nbytes = torch.Size(shape).numel() * dt.itemsize
-        header[key] = {"dtype": ST_DTYPES[dt], "shape": list(shape),
-                       "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # tensor data 8-byte aligned, as safetensors writes it
     target = Path(out)
-    with atomic_file(target) as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for _, load_fn, _, _ in entries:
-            tensor = load_fn().contiguous()
-            f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
-            del tensor
+    write_safetensors(target, [TensorOut(*entry) for entry in reader.entries(dtype)],
+                      metadata={"source": str(reader.path)})
     return target
 
 

@@ -53,6 +53,11 @@ class ReaderBase:
     def has_state(self, key: str) -> bool:
         return any(key in r.get("tensors", []) for r in self.manifest["param_states"].values())
 
+    def param_groups_of(self) -> dict[str, int]:
+        """Each trainable parameter's optimizer param group."""
+        return {name: g for g, names in enumerate(self.manifest.get("group_names") or [])
+                for name in names} or dict.fromkeys(self.manifest["params"], 0)
+
     def read_param(self, name: str, key: str = "master") -> torch.Tensor:
         shape = tuple(self.manifest["params"][name]["shape"])
         return self.read_range(name, key, 0, torch.Size(shape).numel()).view(shape)
@@ -81,12 +86,14 @@ class ReaderBase:
 def foreign_manifest(*, params: dict[str, tuple[int, ...]], state_dict_keys: list[str],
                      aliases: dict[str, str], param_groups: list[dict[str, Any]] | None,
                      param_states: dict[str, dict[str, Any]], global_step: int,
-                     skipped_steps: int = 0, written_by: str) -> dict[str, Any]:
+                     skipped_steps: int = 0, written_by: str,
+                     group_names: list[list[str]] | None = None) -> dict[str, Any]:
     """Our manifest's fields for another system's checkpoint (no files: nothing to hash)."""
     return {
         "version": 2, "written_by": written_by, "optimizer": None,
         "params": {n: {"shape": list(s), "dtype": "float32"} for n, s in params.items()},
         "state_dict_keys": state_dict_keys, "aliases": aliases, "param_groups": param_groups,
+        "group_names": group_names,
         "param_states": param_states, "files": {}, "client_state": True,
         "engine": {"global_step": global_step, "skipped_steps": skipped_steps,
                    "loss_scaler": None},
