@@ -52,6 +52,9 @@ def check_job(cfg: DictConfig) -> None:
                              "none; set it to 1 or more")
     check_strategy(cfg)
     rendezvous.check_nodes(cfg.trainer)
+    from resume import resume_source
+
+    resume_source(cfg.trainer.get("resume_from"))  # a path that is no checkpoint: refused now
 
 
 def job_number() -> int | None:

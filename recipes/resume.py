@@ -56,6 +56,9 @@ class PeriodicCheckpoint(L.Callback):
         if self.metrics is not None:
             self.metrics.outside_training_start(trainer)
         save(trainer, self.path)
+        if trainer.is_global_zero:
+            copy_for_tests(self.path, step)
+        trainer.strategy.barrier("recipes.resume.copied")
         if self.metrics is not None:
             self.metrics.outside_training_end(trainer)
 
@@ -91,11 +94,48 @@ def save(trainer: L.Trainer, path: Path) -> None:
 def last_checkpoint(path: Path) -> Path | None:
     """``path`` if a complete checkpoint is there (a restart resumes from it), else None."""
     if path.is_dir():
-        return path if (path / "latest").exists() else None
+        return path if _complete(path) else None
     if path.is_file():
         return path
     old = path.with_name(path.name + ".old")  # see save(): a directory being replaced
-    return old if (old / "latest").exists() else None
+    return old if _complete(old) else None
+
+
+def _complete(path: Path) -> bool:
+    """A checkpoint directory that finished writing: ours and DeepSpeed's name their tag in
+    ``latest`` last, DCP (FSDP's sharded state) writes ``.metadata`` last."""
+    return (path / "latest").exists() or (path / ".metadata").exists()
+
+
+def resume_source(value: str | None) -> Path | None:
+    """``trainer.resume_from``: a job directory (its ``checkpoints/last.ckpt``) or a
+    checkpoint directory or file of any strategy; None when unset. A path that is neither is
+    refused naming the option."""
+    if value is None or str(value) == "":
+        return None
+    path = Path(str(value)).expanduser()
+    job = last_checkpoint(path / "checkpoints" / "last.ckpt") if path.is_dir() else None
+    if job is not None:
+        return job
+    if path.is_file() or (path.is_dir() and any(
+            (path / marker).exists() for marker in ("latest", "manifest.json", ".metadata"))):
+        return path
+    raise ValueError(
+        f"trainer.resume_from={value!r}: neither a job directory with checkpoints/last.ckpt "
+        "nor a checkpoint (a directory with 'latest', 'manifest.json' or DCP's '.metadata', "
+        "or a checkpoint file)")
+
+
+def copy_for_tests(path: Path, step: int) -> None:
+    """Test seam: with ``$ZS_CHECKPOINT_COPY_AT`` equal to ``step``, the checkpoint just
+    written is kept as ``<checkpoints>/at-step-<step>`` (the next save replaces last.ckpt)."""
+    if os.environ.get("ZS_CHECKPOINT_COPY_AT") != str(step):
+        return
+    target = path.with_name(f"at-step-{step}")
+    if path.is_dir():
+        shutil.copytree(path, target, dirs_exist_ok=True)
+    else:
+        shutil.copy(path, target)
 
 
 class InjectedFault(L.Callback):

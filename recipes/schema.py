@@ -178,6 +178,11 @@ class TrainerConf:
     checkpoint_every: int = 100
     """Save the job's full state every this many optimizer steps (0: never) into
     <job dir>/checkpoints/last.ckpt, replaced atomically; restarted workers resume from it."""
+    resume_from: Optional[str] = None  # noqa: UP045
+    """Start from another job's checkpoint: its job directory (its checkpoints/last.ckpt) or
+    a checkpoint path, written by any strategy here (zero*, deepspeed_stage_*, fsdp): a sweep
+    that found a faster strategy switches a running job to it. The job's own checkpoint, once
+    it has one, takes precedence (a restarted worker resumes where this job got to)."""
 
 
 @dataclass

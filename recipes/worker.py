@@ -29,7 +29,7 @@ from lifetime import die_with_parent
 from metrics import JobMetrics
 from models import RecipeData, RecipeModule
 from nodes import NodeAgreement
-from resume import InjectedFault, PeriodicCheckpoint, last_checkpoint
+from resume import InjectedFault, PeriodicCheckpoint, last_checkpoint, resume_source
 
 
 def make_strategy(cfg: Any, module: RecipeModule) -> Any:
@@ -107,7 +107,8 @@ def main(config_file: str) -> None:
         enable_model_summary=True, logger=False, callbacks=callbacks,
         default_root_dir=str(job),
     )
-    trainer.fit(module, datamodule=data, ckpt_path=last_checkpoint(checkpoint))
+    start = last_checkpoint(checkpoint) or resume_source(cfg.trainer.get("resume_from"))
+    trainer.fit(module, datamodule=data, ckpt_path=start)
     if metrics.needs_final_validation(trainer):
         # The val loss reported (and minimised by hparams_search) is the final model's, also
         # when max_steps is not a multiple of val_check_interval (or below it: none ran).

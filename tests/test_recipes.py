@@ -282,17 +282,26 @@ def test_killed_worker_restarts_and_ends_with_the_uninterrupted_weights(
     assert resumed["train_loss"] == reference["train_loss"]
 
 
+@pytest.fixture(scope="module")
+def ds3_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A DeepSpeed ZeRO-3 job on the sweep's work, checkpointing every 2 steps; its step-4
+    checkpoint is kept (a test seam) for a job of ours to continue from."""
+    tmp_path = tmp_path_factory.mktemp("ds3")
+    job = tmp_path / "ds3"
+    run = _run("strategy=deepspeed_stage_3", *FAST, "trainer.checkpoint_every=2",
+               f"hydra.run.dir={job}", cwd=tmp_path, env={"ZS_CHECKPOINT_COPY_AT": "4"})
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    return job
+
+
 @needs_deepspeed
 def test_deepspeed_stage_3_job_matches_the_sweep_and_is_measured(
-        sweep: tuple[Path, subprocess.CompletedProcess], tmp_path: Path) -> None:
+        sweep: tuple[Path, subprocess.CompletedProcess], ds3_job: Path) -> None:
     """One DeepSpeed ZeRO-3 job on the sweep's work: same first loss (same data and initial
     weights), the model states it holds counted (its fp32 master partitions on top of the
     formula's, so at or above it), bytes sent measured and non-zero, what ran read from it."""
     sweep_dir, _ = sweep
-    job = tmp_path / "ds3"
-    run = _run("strategy=deepspeed_stage_3", *FAST, f"hydra.run.dir={job}", cwd=tmp_path)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
-    ds = json.loads((job / "metrics.json").read_text())
+    ds = json.loads((ds3_job / "metrics.json").read_text())
     zero3 = next(m for m in (json.loads(p.read_text()) for p in sweep_dir.glob(
         "*/metrics.json")) if m["strategy"] == "zero3")
     assert (ds["strategy"], ds["stage"], ds["precision"], ds["optim"]) == (
@@ -382,3 +391,32 @@ def test_optim_muon_on_a_model_without_2d_hidden_weights_says_so() -> None:
     module = RecipeModule(dict(cfg.model), dict(cfg.optim), vocab_size=64, max_steps=10)
     with pytest.raises(ValueError, match="no hidden 2-D weights for Muon"):
         module.configure_optimizers()
+
+
+@needs_deepspeed
+def test_zero3_job_continues_a_deepspeed_job(ds3_job: Path, tmp_path: Path) -> None:
+    """The sweep-then-switch workflow: ``strategy=zero3 trainer.resume_from=<DeepSpeed
+    checkpoint>`` resumes DeepSpeed's step-4 state (fp32 masters, Adam moments and steps,
+    the lr schedule, Lightning's loops and the data position) and ends where DeepSpeed's own
+    uninterrupted job ended. Tolerance: fp32 on both sides, the same AdamW on the same
+    masters; the gradients differ by reduction order only (a few ulps), so after 2 steps the
+    losses agree to ~1e-6 relative (argued in tests/test_foreign_checkpoints.py)."""
+    job = tmp_path / "switched"
+    source = ds3_job / "checkpoints" / "at-step-4"
+    assert (source / "latest").read_text().strip() == "checkpoint"  # Lightning's DS layout
+    run = _run("strategy=zero3", *FAST, f"trainer.resume_from={source}",
+               f"hydra.run.dir={job}", cwd=tmp_path)
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-4000:]
+    assert "Restoring states from the checkpoint" in log
+    ds = json.loads((ds3_job / "metrics.json").read_text())
+    ours = json.loads((job / "metrics.json").read_text())
+    assert ours["strategy"] == "zero3" and ours["steps"] == ds["steps"] == 6
+    assert ours["train_loss"] == pytest.approx(ds["train_loss"], rel=1e-5)
+    assert ours["val_loss"] == pytest.approx(ds["val_loss"], rel=1e-5)
+
+
+def test_resume_from_names_the_option_when_it_is_no_checkpoint(tmp_path: Path) -> None:
+    run = _run("strategy=zero3", *FAST, f"trainer.resume_from={tmp_path}", cwd=tmp_path)
+    assert run.returncode != 0
+    assert f"trainer.resume_from='{tmp_path}'" in run.stdout + run.stderr

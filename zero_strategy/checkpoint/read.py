@@ -188,7 +188,7 @@ class CheckpointReader(ReaderBase):
 # ------------------------------------------------------------------------ loading an engine
 def load(engine: ZeroEngine, directory: str | os.PathLike, *, tag: str | None = None,
          load_optimizer: bool = True,
-         before_commit: Callable[[dict[str, Any] | None], None] | None = None,
+         before_commit: Callable[[dict[str, Any] | None, str], None] | None = None,
          trust_pickles: bool | None = None) -> dict[str, Any] | None:
     """Every rank calls this; returns the client state saved with the checkpoint (or None).
 
@@ -196,8 +196,9 @@ def load(engine: ZeroEngine, directory: str | os.PathLike, *, tag: str | None = 
     a share) and everything this rank will write is read into new tensors, the ranks agreeing
     after each phase; only then are weights, optimizer state, loss scaler and counters
     replaced. A failure anywhere, on any rank, raises on every rank and changes nothing.
-    ``before_commit(client_state)`` runs on every rank just before the engine changes (an
-    adapter restoring its own state there is covered by the same agreement).
+    ``before_commit(client_state, kind)`` runs on every rank just before the engine changes
+    (an adapter restoring its own state there is covered by the same agreement); ``kind`` is
+    who wrote the checkpoint: "zero_strategy", "deepspeed" or "dcp".
     """
     comm = engine.comm
     reader = _on_all_ranks(comm, lambda: _open_checked(engine, directory, tag, load_optimizer,
@@ -396,7 +397,7 @@ class _Staged:
 
 
 def _stage(engine: ZeroEngine, reader: ReaderBase, load_optimizer: bool,
-           before_commit: Callable[[dict[str, Any] | None], None] | None) -> _Staged:
+           before_commit: Callable[[dict[str, Any] | None, str], None] | None) -> _Staged:
     """Read what this rank will write: its master pieces, the module's buffers, its optimizer
     state ranges, the client state. Costs one more copy of the rank's shard until commit."""
     rank = engine.shards.rank if engine.plan.optimizer_shards > 1 else 0
@@ -412,7 +413,7 @@ def _stage(engine: ZeroEngine, reader: ReaderBase, load_optimizer: bool,
               for request in requests(engine.optimizer, records)}
     client = reader.client_state()
     if before_commit is not None:
-        before_commit(client)
+        before_commit(client, reader.kind)
     return _Staged(reader, masters, module, records, ranges, client)
 
 

@@ -299,7 +299,7 @@ class ZeroFabricStrategy(DDPStrategy):
         meta = load_engine_checkpoint(engine, path, "optimizer" in kinds.values(),
                                       type(self).__name__, weights_only)
         saved = dict(meta["state"])
-        if "optimizer" in kinds.values():
+        if "optimizer" in kinds.values() and meta["param_groups"] is not None:
             restore_hyperparameters(engine.user_optimizer, meta["param_groups"])
         missing = [k for k in rest if k not in saved]
         if strict and missing:

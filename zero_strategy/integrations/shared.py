@@ -218,8 +218,8 @@ def load_engine_checkpoint(engine: ZeroEngine, path: Path, with_optimizer: bool,
         )
     decoded: dict[str, Any] = {}
 
-    def check(client: dict[str, Any] | None) -> None:  # every rank, before the engine changes
-        decoded.update(decode_state(client, path, owner, weights_only))
+    def check(client: dict[str, Any] | None, kind: str) -> None:  # every rank, before changes
+        decoded.update(decode_state(client, path, owner, weights_only, kind))
         groups = decoded.get("param_groups")
         if with_optimizer and groups is not None:
             check_group_count(engine.user_optimizer, groups)
@@ -228,8 +228,31 @@ def load_engine_checkpoint(engine: ZeroEngine, path: Path, with_optimizer: bool,
     return decoded
 
 
+LIGHTNING_MARK = "pytorch-lightning_version"
+"""A key every checkpoint dict Lightning writes has: tells its state in another system's file."""
+
+
+def foreign_state(client: dict[str, Any] | None, path: Path, owner: str,
+                  kind: str) -> dict[str, Any]:
+    """What a DeepSpeed or DCP checkpoint holds for an adapter: the client state as it is
+    (Lightning's loops and schedulers when Lightning wrote it) and no param groups of ours
+    (the engine restored the file's own)."""
+    client = dict(client or {})
+    lightning = client if LIGHTNING_MARK in client else None
+    if owner == "ZeroStrategy" and lightning is None:
+        raise ValueError(
+            f"{str(path)!r} is a {kind} checkpoint not written by Lightning (no loop or "
+            "scheduler state), so Trainer.fit(ckpt_path=...) cannot resume it; load its "
+            "weights and optimizer with engine.load_checkpoint, or convert it first "
+            f"(zero-strategy convert {path} OUT --to zero)")
+    return {"lightning": lightning, "state": client, "param_groups": None, "kinds": {}}
+
+
 def decode_state(client: dict[str, Any] | None, path: Path, owner: str,
-                 weights_only: bool | None = None) -> dict[str, Any]:
+                 weights_only: bool | None = None, kind: str = "zero_strategy"
+                 ) -> dict[str, Any]:
+    if kind != "zero_strategy":
+        return foreign_state(client, path, owner, kind)
     if not client or CLIENT_KEY not in client:
         raise ValueError(
             f"{str(path)!r} is a zero_strategy checkpoint without {owner}'s state (saved with "
