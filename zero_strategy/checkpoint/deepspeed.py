@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from .pickles import load_torch_file
-from .source import MappedFile, ReaderBase, foreign_manifest, slice_flat
+from .source import MappedFile, ReaderBase, copy_flat, foreign_manifest
 from .verify import member, plain_name
 from .write import CheckpointError
 
@@ -216,23 +216,23 @@ class DeepSpeedReader(ReaderBase):
         if not 0 <= start <= end <= numel:
             raise CheckpointError(f"{self.path}: elements [{start}, {end}) of {name!r} are "
                                   f"outside its {numel}")
-        parts: list[torch.Tensor] = []
+        dtype = torch.float32 if key == "master" else self._flat(0, key)[0].dtype
+        out = torch.empty(end - start, dtype=dtype)
         if self.stage < 3:
             size = self.partition[group]
             lo, hi = offset + start, offset + end
             for rank in range(lo // size, (hi - 1) // size + 1) if hi > lo else []:
                 a, b = max(lo, rank * size), min(hi, (rank + 1) * size)
-                flat = self._flat(rank, key)[group]
-                parts += slice_flat([flat], a - rank * size, b - rank * size,
-                                    self._mapped[rank].release)
+                copy_flat([self._flat(rank, key)[group]], a - rank * size, b - rank * size,
+                          out[a - lo : b - lo], self._mapped[rank].release)
         else:
             size = -(-numel // self.world)
             for rank in range(start // size, (end - 1) // size + 1) if end > start else []:
                 a, b = max(start, rank * size), min(end, (rank + 1) * size)
-                parts += slice_flat(self._flat(rank, key), offset + a - rank * size,
-                                    offset + b - rank * size, self._mapped[rank].release)
-        out = torch.cat(parts) if len(parts) != 1 else parts[0]
-        return out.float() if key == "master" else out
+                copy_flat(self._flat(rank, key), offset + a - rank * size,
+                          offset + b - rank * size, out[a - start : b - start],
+                          self._mapped[rank].release)
+        return out
 
     # ------------------------------------------------------------------ description
     def _describe(self) -> dict[str, Any]:

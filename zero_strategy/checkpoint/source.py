@@ -100,25 +100,28 @@ def foreign_manifest(*, params: dict[str, tuple[int, ...]], state_dict_keys: lis
     }
 
 
-def slice_flat(pieces: list[torch.Tensor], lo: int, hi: int,
-               release: Callable[[torch.Tensor], None] | None = None) -> list[torch.Tensor]:
-    """Copies of elements [lo, hi) of the concatenation of ``pieces`` (never concatenated:
-    only the slices asked for are read)."""
-    out, base = [], 0
+def copy_flat(pieces: list[torch.Tensor], lo: int, hi: int, out: torch.Tensor,
+              release: Callable[[torch.Tensor], None] | None = None) -> None:
+    """Copy elements [lo, hi) of the concatenation of ``pieces`` into ``out`` (1-d, hi - lo
+    elements), never concatenating: only the slices asked for are read, straight into
+    ``out``, so the peak is ``out`` itself plus nothing the size of a piece."""
+    if out.numel() != hi - lo:
+        raise IndexError(f"{out.numel()} elements given for [{lo}, {hi})")
+    base, filled = 0, 0
     for piece in pieces:
         n = piece.numel()
         a, b = max(lo, base), min(hi, base + n)
         if a < b:
             view = piece.reshape(-1)[a - base : b - base]
-            out.append(view.clone())
+            out[filled : filled + b - a].copy_(view)
+            filled += b - a
             if release is not None:
                 release(view)
         base += n
         if base >= hi:
             break
-    if sum(t.numel() for t in out) != hi - lo:
+    if filled != hi - lo:
         raise IndexError(f"elements [{lo}, {hi}) are outside the {base} stored")
-    return out
 
 
 class MappedFile:
@@ -169,4 +172,4 @@ class MappedFile:
                                  4)  # MADV_DONTNEED
 
 
-__all__ = ["Entry", "MappedFile", "ReaderBase", "foreign_manifest", "slice_flat"]
+__all__ = ["Entry", "MappedFile", "ReaderBase", "copy_flat", "foreign_manifest"]

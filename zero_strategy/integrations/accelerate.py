@@ -562,9 +562,17 @@ class ZeroAccelerator(Accelerator):
         folder = Path(self._checkpoint_dir(input_dir))
         _check_state_folder(folder)
         custom = _read_custom_states(folder, len(self._custom_objects))
+        # A folder Accelerate's DeepSpeed integration saved holds DeepSpeed's own checkpoint
+        # (``latest`` and a ``pytorch_model`` tag) beside Accelerate's files, and a DCP
+        # directory its ``.metadata``: either is read in place.
+        source = folder / CHECKPOINT_SUBDIR
+        if not source.exists() and any((folder / f).is_file() for f in ("latest", ".metadata")):
+            source = folder
 
-        def restore_accelerate(client: dict[str, Any] | None) -> None:  # before the commit
+        def restore_accelerate(client: dict[str, Any] | None, kind: str) -> None:
             groups = (client or {}).get("param_groups", [])
+            if kind != "zero_strategy":
+                groups = self.engine.user_optimizer.param_groups  # the engine restored them
             if len(groups) != len(self.engine.user_optimizer.param_groups):
                 raise CheckpointError(
                     f"{folder}: saved with {len(groups)} optimizer param groups, the optimizer "
@@ -572,8 +580,10 @@ class ZeroAccelerator(Accelerator):
             with self._zero_objects_hidden(), _custom_states_from(custom):
                 Accelerator.load_state(self, str(folder), load_kwargs, **load_model_func_kwargs)
 
-        client = checkpoint_read.load(self.engine, folder / CHECKPOINT_SUBDIR,
-                              before_commit=restore_accelerate) or {}
+        client = checkpoint_read.load(self.engine, source,
+                                      before_commit=restore_accelerate) or {}
+        if source == folder:
+            return  # DeepSpeed's client state is not ours: its groups were restored already
         for group, saved in zip(self.engine.user_optimizer.param_groups,
                                 client.get("param_groups", [])):
             group.update(saved)
