@@ -292,3 +292,30 @@ def test_every_deepspeed_stage_and_precision_reads_as_deepspeed_sees_it(tmp_path
                 for key, value in states.items():
                     assert torch.equal(reader.read_param(name, key), value.float()), (
                         path.name, name, key)
+
+
+def _adapter_load(kind: str, folder: Path) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "accelerate_foreign.py"), kind,
+                          str(folder)], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_accelerate_load_state_reads_a_dcp_folder(written: Path) -> None:
+    """``ZeroAccelerator.load_state`` on a folder holding a DCP checkpoint: every weight as
+    the file has it, the file's lr (0.01, not the optimizer's 0.5) and step count."""
+    out = _adapter_load("accelerate", written / "fsdp2" / "at3")
+    assert out["equal"] == out["keys"] and len(out["keys"]) == 12
+    assert out["lr"] == 1e-2 and out["global_step"] == 3
+
+
+@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed not installed (the anchors extra)")
+def test_fabric_load_reads_a_deepspeed_checkpoint(written: Path) -> None:
+    """``fabric.load(path, {"model", "optimizer"})`` with ZeroFabricStrategy on DeepSpeed's
+    files; DeepSpeed's client state is what comes back unrestored, as Fabric returns it."""
+    out = _adapter_load("fabric", written / "ds3" / "at3")
+    assert out["equal"] == out["keys"] and len(out["keys"]) == 12
+    assert out["lr"] == 1e-2 and out["global_step"] == 3
+    assert out["rest"] == {"data_step": 3}
