@@ -152,6 +152,9 @@ def make_anchor_strategy(cfg: Any, module: L.LightningModule) -> L.pytorch.strat
         clip_through_fsdp_root(module)
         model = module.model
         return CpuFSDPStrategy(
+            # sharded: each rank writes its shards with torch.distributed.checkpoint (DCP), as
+            # Lightning recommends for large models, and a zero* job can resume them
+            state_dict_type="sharded",
             sharding_strategy="FULL_SHARD" if int(s.stage) == 3 else "SHARD_GRAD_OP",
             auto_wrap_policy=block_classes(model),
             cpu_offload=CPUOffload(offload_params=True) if s.offload else None)
@@ -295,8 +298,16 @@ def census(module: torch.nn.Module, optimizers: list[Any]) -> Census:
 def full_state_dict(trainer: L.Trainer, module: L.LightningModule) -> dict[str, torch.Tensor]:
     """The whole model's weights on rank 0 (a collective: call on every rank)."""
     strategy = trainer.strategy
-    if isinstance(strategy, FSDPStrategy):
-        return strategy.lightning_module_state_dict()
+    if isinstance(strategy, FSDPStrategy):  # whole, whatever format it checkpoints in
+        if isinstance(strategy, CpuFSDPStrategy) and strategy.root_device.type == "cpu":
+            context = strategy._full_state_dict_context()
+        else:
+            from lightning.pytorch.strategies.fsdp import _get_full_state_dict_context
+
+            context = _get_full_state_dict_context(strategy.model,
+                                                   world_size=strategy.world_size)
+        with context:
+            return strategy.model.state_dict()
     if type(strategy).__name__.endswith("DeepSpeedStrategy") and getattr(
             strategy, "zero_stage_3", False):
         import deepspeed

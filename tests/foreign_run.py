@@ -19,7 +19,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,6 +58,42 @@ def global_loss(loss: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
+def train(engine: Any, first: int, last: int,
+          save: Callable[[int], None] | None = None) -> list[float]:
+    """Steps [first, last) of the shared work on an engine with ZeroEngine's and DeepSpeed's
+    interface (call, ``backward``, ``step``); the global losses of steps K and after;
+    ``save(step)`` after steps K and K + M."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(first, last):
+        x, y = global_batch(step)
+        loss = loss_fn(engine(local(x, rank, world)), local(y, rank, world))
+        engine.backward(loss)
+        engine.step()
+        if step >= K:
+            losses.append(global_loss(loss))
+        if save is not None and step + 1 in (K, K + M):
+            save(step + 1)
+    return losses
+
+
+class _Plain:
+    """A model and its optimizer (FSDP2's way) behind the engines' interface for ``train``."""
+
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.model, self.opt = model, opt
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.opt.step()
+        self.opt.zero_grad()
+
+
 def _deepspeed(out: Path, stage: int) -> list[float]:
     import logging
 
@@ -63,10 +101,10 @@ def _deepspeed(out: Path, stage: int) -> list[float]:
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
     config = {
-        "train_micro_batch_size_per_gpu": ROWS // world, "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": ROWS // dist.get_world_size(),
+        "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0, "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"]),
                                                   "torch_adam": True}},
@@ -74,18 +112,8 @@ def _deepspeed(out: Path, stage: int) -> list[float]:
     }
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=config)
-    losses = []
-    for step in range(K + M):
-        x, y = global_batch(step)
-        loss = loss_fn(engine(local(x, rank, world)), local(y, rank, world))
-        engine.backward(loss)
-        engine.step()
-        if step >= K:
-            losses.append(global_loss(loss))
-        if step + 1 in (K, K + M):
-            engine.save_checkpoint(str(out / f"at{step + 1}"), client_state={"data_step":
-                                                                             step + 1})
-    return losses
+    return train(engine, 0, K + M, lambda step: engine.save_checkpoint(
+        str(out / f"at{step}"), client_state={"data_step": step}))
 
 
 def _deepspeed_zoo(out: Path) -> None:
@@ -137,26 +165,18 @@ def _fsdp2(out: Path) -> list[float]:
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    losses = []
-    for step in range(K + M):
-        x, y = global_batch(step)
-        loss = loss_fn(model(local(x, rank, world)), local(y, rank, world))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if step >= K:
-            losses.append(global_loss(loss))
-        if step + 1 in (K, K + M):
-            msd, osd = get_state_dict(model, opt)
-            dcp.save({"model": msd, "optimizer": osd, "train_state": {"data_step": step + 1}},
-                     checkpoint_id=str(out / f"at{step + 1}"))
-    return losses
+
+    def save(step: int) -> None:
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optimizer": osd, "train_state": {"data_step": step}},
+                 checkpoint_id=str(out / f"at{step}"))
+
+    return train(_Plain(model, opt), 0, K + M, save)
 
 
 def _fsdp2_resume(source: Path, out: Path) -> list[float]:
@@ -172,7 +192,6 @@ def _fsdp2_resume(source: Path, out: Path) -> list[float]:
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(99)  # another initialisation: every weight must come from the file
     from tests.models import MLP
 
@@ -184,16 +203,9 @@ def _fsdp2_resume(source: Path, out: Path) -> list[float]:
     msd, osd = get_state_dict(model, opt)
     dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=str(source))
     set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
-    losses = []
-    for step in range(K, K + M):
-        x, y = global_batch(step)
-        loss = loss_fn(model(local(x, rank, world)), local(y, rank, world))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(global_loss(loss))
+    losses = train(_Plain(model, opt), K, K + M)
     final = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    if rank == 0:
+    if dist.get_rank() == 0:
         torch.save({"state": {k: v.clone() for k, v in final.items()},
                     "lr": opt.param_groups[0]["lr"]}, out / "final.pt")
     return losses

@@ -8,10 +8,9 @@ import os
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import zero_strategy as zs
-from tests.foreign_run import ADAMW, K, M, global_batch, global_loss, local, loss_fn
+from tests.foreign_run import ADAMW, K, M, train
 from tests.harness import register
 from tests.models import MLP
 
@@ -27,14 +26,7 @@ def resume(source: str, stage: int) -> dict:
     restored = {"lr": opt.param_groups[0]["lr"],
                 "weight_decay": opt.param_groups[0]["weight_decay"],
                 "global_step": engine.global_step}
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for step in range(K, K + M):
-        x, y = global_batch(step)
-        loss = loss_fn(engine(local(x, rank, world)), local(y, rank, world))
-        engine.backward(loss)
-        engine.step()
-        losses.append(global_loss(loss))
+    losses = train(engine, K, K + M)
     final = {k: v.tolist() for k, v in engine.full_state_dict().items()}
     return {"losses": losses, "final": final, "restored": restored,
             "client": {k: v for k, v in (client or {}).items() if k in ("data_step",
@@ -49,17 +41,11 @@ def uninterrupted(stage: int) -> dict:
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     engine = zs.ZeroEngine(model, opt, zs.ZeroConfig(stage=stage))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for step in range(K + M):
-        x, y = global_batch(step)
-        loss = loss_fn(engine(local(x, rank, world)), local(y, rank, world))
-        engine.backward(loss)
-        engine.step()
-        if step >= K:
-            losses.append(global_loss(loss))
-        if step + 1 == K:
+    def save(step: int) -> None:
+        if step == K:
             engine.save_checkpoint(ROOT / "ours" / f"at{K}")
+
+    losses = train(engine, 0, K + M, save)
     final = {k: v.tolist() for k, v in engine.full_state_dict().items()}
     return {"losses": losses, "final": final}
 

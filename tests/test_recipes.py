@@ -205,8 +205,10 @@ FAST = ("trainer=fast", "model.size=tiny", "trainer.max_steps=6")
 def sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
     tmp_path = tmp_path_factory.mktemp("sweep")
     sweep = tmp_path / "sweep"
-    run = _run("-m", "strategy=ddp,fsdp,zero3", *FAST, f"hydra.sweep.dir={sweep}",
-               cwd=tmp_path)
+    # Checkpoints every 2 steps; each job keeps its step-4 one (a test seam), which a job of
+    # another strategy resumes (test_zero3_job_continues_an_fsdp_job).
+    run = _run("-m", "strategy=ddp,fsdp,zero3", *FAST, "trainer.checkpoint_every=2",
+               f"hydra.sweep.dir={sweep}", cwd=tmp_path, env={"ZS_CHECKPOINT_COPY_AT": "4"})
     return sweep, run
 
 
@@ -414,6 +416,29 @@ def test_zero3_job_continues_a_deepspeed_job(ds3_job: Path, tmp_path: Path) -> N
     assert ours["strategy"] == "zero3" and ours["steps"] == ds["steps"] == 6
     assert ours["train_loss"] == pytest.approx(ds["train_loss"], rel=1e-5)
     assert ours["val_loss"] == pytest.approx(ds["val_loss"], rel=1e-5)
+
+
+def test_zero3_job_continues_an_fsdp_job(sweep: tuple[Path, subprocess.CompletedProcess],
+                                        tmp_path: Path) -> None:
+    """``trainer.resume_from`` on the sweep's fsdp job (Lightning's FSDPStrategy writes its
+    sharded state as a DCP directory with Lightning's ``meta.pt``): a zero3 job continues
+    from step 4 and ends on FSDP's own train and val loss (same tolerance as above)."""
+    sweep_dir, _ = sweep
+    fsdp_job = next(p.parent for p in sweep_dir.glob("*/metrics.json")
+                    if json.loads(p.read_text())["strategy"] == "fsdp")
+    source = fsdp_job / "checkpoints" / "at-step-4"
+    assert (source / ".metadata").is_file() and (source / "meta.pt").is_file()
+    job = tmp_path / "switched"
+    # quoted: the sweep's job directory names hold '=' and ',' (Hydra's override grammar)
+    run = _run("strategy=zero3", *FAST, f"trainer.resume_from='{source}'",
+               f"hydra.run.dir={job}", cwd=tmp_path)
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-4000:]
+    fsdp = json.loads((fsdp_job / "metrics.json").read_text())
+    ours = json.loads((job / "metrics.json").read_text())
+    assert ours["steps"] == fsdp["steps"] == 6
+    assert ours["train_loss"] == pytest.approx(fsdp["train_loss"], rel=1e-5)
+    assert ours["val_loss"] == pytest.approx(fsdp["val_loss"], rel=1e-5)
 
 
 def test_resume_from_names_the_option_when_it_is_no_checkpoint(tmp_path: Path) -> None:
