@@ -161,7 +161,11 @@ def _deepspeed_zoo(out: Path) -> None:
 
 def _fsdp2(out: Path) -> list[float]:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        get_state_dict,
+    )
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo")
@@ -175,6 +179,10 @@ def _fsdp2(out: Path) -> list[float]:
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optimizer": osd, "train_state": {"data_step": step}},
                  checkpoint_id=str(out / f"at{step}"))
+        # torchtitan's form: the optimizer flattened to "state.<name>.<key>" keys
+        flat = get_optimizer_state_dict(
+            model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+        dcp.save({"model": msd, "optimizer": flat}, checkpoint_id=str(out / f"flat{step}"))
 
     return train(_Plain(model, opt), 0, K + M, save)
 

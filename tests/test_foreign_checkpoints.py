@@ -319,3 +319,15 @@ def test_fabric_load_reads_a_deepspeed_checkpoint(written: Path) -> None:
     assert out["equal"] == out["keys"] and len(out["keys"]) == 12
     assert out["lr"] == 1e-2 and out["global_step"] == 3
     assert out["rest"] == {"data_step": 3}
+
+
+def test_torchtitans_flattened_optimizer_reads_as_the_nested_one(written: Path) -> None:
+    """``flatten_optimizer_state_dict=True`` (torchtitan's checkpoints): the same moments,
+    steps, hyperparameters and groups as the nested form of the same step."""
+    nested, flat = open_reader(written / "fsdp2" / "at3"), open_reader(written / "fsdp2" / "flat3")
+    assert flat.manifest["param_states"] == nested.manifest["param_states"]
+    assert flat.manifest["param_groups"] == nested.manifest["param_groups"]
+    assert flat.param_groups_of() == nested.param_groups_of()
+    for name in nested.manifest["params"]:
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(flat.read_param(name, key), nested.read_param(name, key))

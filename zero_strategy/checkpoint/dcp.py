@@ -104,7 +104,10 @@ class DcpReader(ReaderBase):
         self.model: dict[str, str] = {}
         self.states: dict[str, dict[str, str]] = {}
         self.group_items: dict[int, dict[str, str]] = {}
+        self.param_group_items: dict[str, dict[str, str]] = {}
+        """torchtitan's flattened form: each parameter's own copy of its group's values."""
         self.rest: dict[tuple[Any, ...], str] = {}
+        flattened: list[tuple[str, str]] = []
         roots = {p[0] for p in self._paths.values()}
         model_root = next((r for r in _MODEL_ROOTS if r in roots), None)
         optim_root = next((r for r in sorted(roots, key=str) if _OPTIM_ROOT.match(str(r))), None)
@@ -118,16 +121,47 @@ class DcpReader(ReaderBase):
                 self.states.setdefault(str(p[2]), {})[str(p[3])] = flat
             elif p[0] == optim_root and len(p) == 4 and p[1] == "param_groups":
                 self.group_items.setdefault(int(p[2]), {})[str(p[3])] = flat
+            elif p[0] == optim_root and len(p) == 2 and str(p[1]).startswith(
+                    ("state.", "param_groups.")):
+                flattened.append((str(p[1]), flat))
             else:
                 self.rest[tuple(p)] = flat
+        self._unflatten(flattened)
 
-    def _describe(self) -> dict[str, Any]:
-        tensors = {k: self._tensor_meta(f) for k, f in self.model.items()}
-        groups, names = [], []
+    def _unflatten(self, items: list[tuple[str, str]]) -> None:
+        """``flatten_optimizer_state_dict=True`` (torchtitan) keys: ``state.<name>.<key>``
+        and ``param_groups.<name>.<hyperparameter>``, split at the longest parameter name."""
+        names = sorted(self.model, key=len, reverse=True)
+        for inner, flat in items:
+            kind, _, rest = inner.partition(".")
+            name = next((n for n in names if rest.startswith(n + ".")), None)
+            if name is None:
+                raise CheckpointError(f"{self.path}: optimizer entry {inner!r} names no "
+                                      "parameter of the model")
+            target = self.states if kind == "state" else self.param_group_items
+            target.setdefault(name, {})[rest[len(name) + 1:]] = flat
+
+    def _groups(self) -> tuple[list[dict[str, Any]], list[list[str]]]:
+        """(each param group's hyperparameters, each group's parameter names)."""
+        groups: list[dict[str, Any]] = []
+        names: list[list[str]] = []
         for g in sorted(self.group_items):
             values = {k: self._bytes(f) for k, f in self.group_items[g].items()}
             names.append([str(n) for n in values.pop("params", [])])
             groups.append({k: list(v) if isinstance(v, tuple) else v for k, v in values.items()})
+        # Flattened: parameters with the same values were one group (their saved order).
+        for name in (n for n in self.model if n in self.param_group_items):
+            values = {k: self._bytes(f) for k, f in self.param_group_items[name].items()}
+            values = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+            if values not in groups:
+                groups.append(values)
+                names.append([])
+            names[groups.index(values)].append(name)
+        return groups, names
+
+    def _describe(self) -> dict[str, Any]:
+        tensors = {k: self._tensor_meta(f) for k, f in self.model.items()}
+        groups, names = self._groups()
         trained = [n for g in names for n in g] if names else list(self.states)
         missing = [n for n in trained if n not in tensors]
         if missing:
