@@ -183,6 +183,9 @@ def _fsdp2(out: Path) -> list[float]:
         flat = get_optimizer_state_dict(
             model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
         dcp.save({"model": msd, "optimizer": flat}, checkpoint_id=str(out / f"flat{step}"))
+        # Accelerate's FSDP save_state: model and optimizer in two DCP directories
+        dcp.save({"model": msd}, checkpoint_id=str(out / f"accel{step}" / "pytorch_model_fsdp_0"))
+        dcp.save({"optimizer": osd}, checkpoint_id=str(out / f"accel{step}" / "optimizer_0"))
 
     return train(_Plain(model, opt), 0, K + M, save)
 

@@ -303,10 +303,15 @@ def _adapter_load(kind: str, folder: Path) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def test_accelerate_load_state_reads_a_dcp_folder(written: Path) -> None:
-    """``ZeroAccelerator.load_state`` on a folder holding a DCP checkpoint: every weight as
+def test_accelerate_load_state_reads_accelerates_fsdp_folder(written: Path) -> None:
+    """``ZeroAccelerator.load_state`` on the folder Accelerate's FSDP ``save_state`` writes
+    (``pytorch_model_fsdp_0/`` and ``optimizer_0/``, two DCP directories): every weight as
     the file has it, the file's lr (0.01, not the optimizer's 0.5) and step count."""
-    out = _adapter_load("accelerate", written / "fsdp2" / "at3")
+    folder = written / "fsdp2" / "accel3"
+    assert sorted(p.name for p in folder.iterdir()) == ["optimizer_0", "pytorch_model_fsdp_0"]
+    reader, nested = open_reader(folder), open_reader(written / "fsdp2" / "at3")
+    assert reader.manifest["param_states"] == nested.manifest["param_states"]
+    out = _adapter_load("accelerate", folder)
     assert out["equal"] == out["keys"] and len(out["keys"]) == 12
     assert out["lr"] == 1e-2 and out["global_step"] == 3
 

@@ -10,7 +10,9 @@ the nested state dict (``("model", "layers.0.weight")``, ``("optimizer", "state"
 ``storage_data`` says which ``*.distcp`` file holds each chunk at what byte offset, each a
 ``torch.save`` stream. The model's tensors sit under a top-level ``model`` key and the
 optimizer's under ``optimizer``/``optim`` (Lightning: ``optimizer_0``); every other
-top-level key, and Lightning's ``meta.pt``, is the client state.
+top-level key, and Lightning's ``meta.pt``, is the client state. Accelerate's FSDP
+``save_state`` puts the model and the optimizer in two DCP directories of one folder; they
+are read as one.
 
 ``.metadata`` is unpickled with an allow-list of DCP's own classes and every item with
 torch's weights_only unpickler (``pickles.py``), unlike DCP's reader, which loads non-tensor
@@ -76,27 +78,52 @@ class _Window(io.RawIOBase):
         super().close()
 
 
+ACCELERATE_DIRS = ("pytorch_model_fsdp_0", "optimizer_0")
+"""Accelerate's FSDP ``save_state`` with a sharded state dict: the model's DCP directory
+(``{"model": ...}``) and the optimizer's (``{"optimizer": ...}``) side by side."""
+
+
+def dcp_directories(path: Path) -> list[Path]:
+    """The DCP directories a checkpoint at ``path`` is made of (none: not DCP)."""
+    if (path / METADATA).is_file():
+        return [path]
+    model, optimizer = (path / d for d in ACCELERATE_DIRS)
+    if (model / METADATA).is_file():
+        return [model] + ([optimizer] if (optimizer / METADATA).is_file() else [])
+    return []
+
+
 class DcpReader(ReaderBase):
     kind = "dcp"
 
     def __init__(self, path: Path, *, trust: bool | None = None) -> None:
         self.path = path
         self._trust = trust
-        member(path, path / METADATA, METADATA)
-        meta = load_plain_pickle(path / METADATA, trust=trust)
-        for field in ("state_dict_metadata", "storage_data"):
-            if not isinstance(getattr(meta, field, None), dict):
-                raise CheckpointError(f"{path / METADATA}: field {field!r} is missing: not "
-                                      "a DCP checkpoint written by FileSystemWriter")
-        self._items = meta.state_dict_metadata
-        self._storage = {(k.fqn, tuple(k.offset or ())): v for k, v in meta.storage_data.items()}
-        self._paths = dict(getattr(meta, "planner_data", None) or {})
-        if not self._paths:
-            raise CheckpointError(f"{path / METADATA}: no planner_data (saved without "
-                                  "flattening): the state dict's structure is unknown")
+        self._items: dict[str, Any] = {}
+        self._storage: dict[tuple[str, tuple[int, ...]], tuple[Path, Any]] = {}
+        self._paths: dict[str, tuple[Any, ...]] = {}
+        for directory in dcp_directories(path):
+            self._add(directory)
         self._cache: tuple[str, torch.Tensor] | None = None
         self._sort()
         self.manifest = self._describe()
+
+    def _add(self, directory: Path) -> None:
+        """One DCP directory's items (Accelerate writes the model and optimizer to two)."""
+        member(self.path, directory / METADATA, METADATA)
+        meta = load_plain_pickle(directory / METADATA, trust=self._trust)
+        for field in ("state_dict_metadata", "storage_data"):
+            if not isinstance(getattr(meta, field, None), dict):
+                raise CheckpointError(f"{directory / METADATA}: field {field!r} is missing: "
+                                      "not a DCP checkpoint written by FileSystemWriter")
+        paths = dict(getattr(meta, "planner_data", None) or {})
+        if not paths:
+            raise CheckpointError(f"{directory / METADATA}: no planner_data (saved without "
+                                  "flattening): the state dict's structure is unknown")
+        self._items.update(meta.state_dict_metadata)
+        self._paths.update(paths)
+        self._storage.update({(k.fqn, tuple(k.offset or ())): (directory, v)
+                              for k, v in meta.storage_data.items()})
 
     # ------------------------------------------------------------------ structure
     def _sort(self) -> None:
@@ -200,15 +227,16 @@ class DcpReader(ReaderBase):
 
     # ------------------------------------------------------------------ items
     def _item(self, flat: str, offset: Any) -> Any:
-        info = self._storage.get((flat, tuple(offset)))
-        if info is None:
+        found = self._storage.get((flat, tuple(offset)))
+        if found is None:
             raise CheckpointError(f"{self.path}: no stored data for {flat!r} at "
                                   f"{list(offset)}")
+        directory, info = found
         if getattr(info, "transform_descriptors", None):
             raise CheckpointError(f"{self.path}: {flat!r} is stored through transforms "
                                   f"{info.transform_descriptors} (compression?), not read")
-        file = self.path / str(info.relative_path)
-        member(self.path, file, f"data file {info.relative_path!r}")
+        file = directory / str(info.relative_path)
+        member(directory, file, f"data file {info.relative_path!r}")
         with _Window(file, int(info.offset), int(info.length)) as window:
             return load_torch_bytes(io.BufferedReader(window), file, trust=self._trust)
 
@@ -270,4 +298,4 @@ class DcpReader(ReaderBase):
         return state
 
 
-__all__ = ["LIGHTNING_META", "METADATA", "DcpReader"]
+__all__ = ["ACCELERATE_DIRS", "LIGHTNING_META", "METADATA", "DcpReader", "dcp_directories"]

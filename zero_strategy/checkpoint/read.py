@@ -231,14 +231,15 @@ def open_reader(directory: str | os.PathLike, tag: str | None = None, *,
                 trust: bool | None = None) -> ReaderBase:
     """A reader for the checkpoint at ``directory``, whoever wrote it, told by its layout:
     ours (a manifest, or ``latest`` naming a tag that has one), DeepSpeed's (``latest`` naming
-    a tag with ``*model_states.pt``) or DCP's (a ``.metadata`` file)."""
+    a tag with ``*model_states.pt``) or DCP's (a ``.metadata`` file, or Accelerate's FSDP
+    folder of two DCP directories)."""
     from . import dcp, deepspeed
 
     root = Path(directory)
     ds_tag = deepspeed.deepspeed_tag(root, tag) if root.is_dir() else None
     if ds_tag is not None:
         return deepspeed.DeepSpeedReader(ds_tag, trust=trust)
-    if root.is_dir() and tag is None and (root / dcp.METADATA).is_file():
+    if root.is_dir() and tag is None and dcp.dcp_directories(root):
         return dcp.DcpReader(root, trust=trust)
     return CheckpointReader(resolve(directory, tag))
 

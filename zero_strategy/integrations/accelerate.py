@@ -93,6 +93,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..checkpoint import read as checkpoint_read
+from ..checkpoint.dcp import dcp_directories
 from ..checkpoint.verify import member, refusal
 from ..checkpoint.write import CheckpointError
 from ..comm import collectives
@@ -563,10 +564,10 @@ class ZeroAccelerator(Accelerator):
         _check_state_folder(folder)
         custom = _read_custom_states(folder, len(self._custom_objects))
         # A folder Accelerate's DeepSpeed integration saved holds DeepSpeed's own checkpoint
-        # (``latest`` and a ``pytorch_model`` tag) beside Accelerate's files, and a DCP
-        # directory its ``.metadata``: either is read in place.
+        # (``latest`` and a ``pytorch_model`` tag) beside Accelerate's files, its FSDP
+        # integration two DCP directories (model and optimizer): either is read in place.
         source = folder / CHECKPOINT_SUBDIR
-        if not source.exists() and any((folder / f).is_file() for f in ("latest", ".metadata")):
+        if not source.exists() and ((folder / "latest").is_file() or dcp_directories(folder)):
             source = folder
 
         def restore_accelerate(client: dict[str, Any] | None, kind: str) -> None:
