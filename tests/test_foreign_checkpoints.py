@@ -336,3 +336,20 @@ def test_torchtitans_flattened_optimizer_reads_as_the_nested_one(written: Path) 
     for name in nested.manifest["params"]:
         for key in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(flat.read_param(name, key), nested.read_param(name, key))
+
+
+def test_lightning_resumes_only_what_lightning_wrote() -> None:
+    """``Trainer.fit(ckpt_path=...)`` with ZeroStrategy: a DeepSpeed or DCP checkpoint that
+    Lightning wrote carries its loops and schedulers and is handed to Lightning as they are;
+    one written outside Lightning has none, and is refused before anything is loaded, naming
+    what to do instead (the recipe switch test resumes Lightning-written ones end to end)."""
+    from zero_strategy.integrations.shared import LIGHTNING_MARK, foreign_state
+
+    written = {LIGHTNING_MARK: "2.6.6", "loops": {"fit_loop": {}}, "global_step": 4}
+    state = foreign_state(written, Path("ckpt"), "ZeroStrategy", "deepspeed")
+    assert state["lightning"] == written and state["param_groups"] is None
+    with pytest.raises(ValueError, match=r"not written by Lightning.*engine.load_checkpoint"):
+        foreign_state({"data_step": 3}, Path("ckpt"), "ZeroStrategy", "deepspeed")
+    # Fabric and Accelerate take any client state: it is theirs to interpret
+    assert foreign_state({"data_step": 3}, Path("ckpt"), "ZeroFabricStrategy",
+                         "dcp")["state"] == {"data_step": 3}
