@@ -6,7 +6,8 @@ Layers, top to bottom (``docs/architecture.md``): ``integrations`` -> ``engine``
 ``checkpoint`` / ``optim`` / ``offload`` -> ``core`` -> ``comm`` -> ``config``.
 """
 
-from .checkpoint.read import consolidate, write_consolidated
+from .checkpoint.convert import convert
+from .checkpoint.read import consolidate, open_reader, write_consolidated
 from .checkpoint.write import CheckpointError
 from .config import LossScaleConfig, ZeroConfig
 from .core.materialize import meta_init
@@ -24,6 +25,7 @@ register_if_lightning_imported()
 __all__ = [
     "CheckpointError", "CombinedOptimizer", "GatherOrderError", "LossScaleConfig",
     "MemoryEstimate", "ZeroConfig", "ZeroEngine",
-    "consolidate", "estimate_memory", "meta_init", "register_strategies", "write_consolidated",
+    "consolidate", "convert", "estimate_memory", "meta_init", "open_reader",
+    "register_strategies", "write_consolidated",
 ]
 __version__ = "0.1.0"
