@@ -353,3 +353,18 @@ def test_lightning_resumes_only_what_lightning_wrote() -> None:
     # Fabric and Accelerate take any client state: it is theirs to interpret
     assert foreign_state({"data_step": 3}, Path("ckpt"), "ZeroFabricStrategy",
                          "dcp")["state"] == {"data_step": 3}
+
+
+def test_a_latest_link_out_of_the_directory_is_refused(written: Path, tmp_path: Path) -> None:
+    """DeepSpeed's ``latest`` is read like ours: inside the directory, a plain tag name."""
+    import shutil
+
+    from zero_strategy.checkpoint.write import CheckpointError
+
+    ckpt = _copy(written / "fsdp2" / "at3", tmp_path / "ckpt")
+    shutil.rmtree(ckpt)
+    ckpt.mkdir()
+    (tmp_path / "elsewhere").write_text("global_step3")
+    (ckpt / "latest").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(CheckpointError, match="latest"):
+        open_reader(ckpt)

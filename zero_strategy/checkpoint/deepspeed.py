@@ -56,9 +56,11 @@ def deepspeed_tag(directory: Path, tag: str | None = None) -> Path | None:
         return directory
     if tag is None:
         latest = directory / "latest"
-        if not latest.is_file():
+        if not latest.is_file():  # a FIFO or device is no tag name
             return None
-        tag = latest.read_text(errors="replace").strip()
+        member(directory, latest, "'latest'")
+        with open(latest, "rb") as f:
+            tag = f.read(4096).decode("utf-8", errors="replace").strip()
     try:
         path = directory / plain_name(tag, f"{directory}: tag")
     except CheckpointError:
