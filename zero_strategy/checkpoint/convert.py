@@ -8,19 +8,16 @@ another system's format, streamed one tensor at a time:
 - ``hf``: a ``save_pretrained`` directory (``hf.py``);
 - ``zero``: our own format, one process's layout (it loads on any world size and stage).
 
-Every target is written into a temporary sibling and renamed into place when complete, so a
-failed conversion leaves nothing that looks like a checkpoint.
+Every target is written into a temporary sibling and renamed into place when complete
+(``stream.staged_directory``), so a failed conversion leaves nothing that looks like a
+checkpoint.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pickle
-import secrets
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +25,7 @@ import torch
 
 from .read import open_reader
 from .source import ReaderBase
-from .stream import TensorOut, write_safetensors
+from .stream import TensorOut, staged_directory, write_safetensors
 from .write import (
     CLIENT_FILE,
     FORMAT,
@@ -37,7 +34,6 @@ from .write import (
     MODULE_FILE,
     VERSION,
     CheckpointError,
-    _fsync_dir,
     _sha256,
     atomic_file,
     shard_file,
@@ -67,31 +63,12 @@ def convert(source: str | os.PathLike, target: str | os.PathLike, to: str, *,
     if to == "zero" and dtype is not None:
         raise CheckpointError("dtype does not apply to --to zero: our format keeps fp32 "
                               "masters (cast when consolidating instead)")
-    with _staged(Path(target)) as tmp:
+    with staged_directory(Path(target)) as tmp:
         if to == "dcp":
             write_dcp(reader, tmp, dtype)
         else:
             write_zero(reader, tmp)
     return Path(target)
-
-
-@contextlib.contextmanager
-def _staged(target: Path) -> Iterator[Path]:
-    """A temporary sibling directory, renamed to ``target`` if the block completes."""
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise CheckpointError(f"{target}: exists and is not an empty directory; converting "
-                              "never overwrites")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".tmp-{target.name}-{secrets.token_hex(4)}")
-    tmp.mkdir()
-    try:
-        yield tmp
-        if target.exists():
-            target.rmdir()
-        os.replace(tmp, target)
-        _fsync_dir(target.parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------ DCP

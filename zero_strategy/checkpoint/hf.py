@@ -15,8 +15,6 @@ import copy
 import hashlib
 import json
 import os
-import secrets
-import shutil
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -24,9 +22,16 @@ from typing import Any
 
 import torch
 
-from .stream import TensorOut, raw_bytes, tensor_value, write_safetensors
+from .stream import (
+    TensorOut,
+    check_target,
+    raw_bytes,
+    staged_directory,
+    tensor_value,
+    write_safetensors,
+)
 from .verify import ST_DTYPES
-from .write import CheckpointError, _fsync_dir, write_atomic
+from .write import CheckpointError, write_atomic
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -65,22 +70,12 @@ def write_hf(reader: Any, out_dir: str | os.PathLike, *, config: Any = None,
     out = Path(out_dir)
     source = getattr(reader, "path", type(reader).__name__)
     _check_options(dtype, max_shard_bytes)
-    _check_target(out)
+    check_target(out)  # before reading anything
     tensors = _renamed(reader.entries(dtype), prefix, source)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # os.mkdir (not mkdtemp, whose 0o700 would outlive the rename) honours the umask.
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
-    try:
+    with staged_directory(out) as tmp:
         hf_config = _write_config(config, tmp, dtype) if config is not None else None
         tensors = _without_tied(tensors, hf_config)
         _write_weights(tensors, tmp, max_shard_bytes)
-        _check_target(out)  # again: something may have been written there meanwhile
-        os.replace(tmp, out)  # replaces an empty directory, refuses a non-empty one
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _fsync_dir(out.parent)
     return out
 
 
@@ -95,14 +90,6 @@ def _check_options(dtype: Any, max_shard_bytes: Any) -> None:
             or max_shard_bytes <= 0:
         raise CheckpointError(f"max_shard_bytes must be a positive int (bytes), got "
                               f"{max_shard_bytes!r}")
-
-
-def _check_target(out: Path) -> None:
-    if out.is_symlink() or out.exists() and (not out.is_dir() or any(out.iterdir())):
-        what = "a symlink" if out.is_symlink() else (
-            "not empty" if out.is_dir() else "not a directory")
-        raise CheckpointError(f"{out}: out_dir exists and is {what}; give a new path or an "
-                              "empty directory (nothing is overwritten)")
 
 
 def _renamed(entries: Iterable[Any], prefix: str | None, source: Any) -> list[TensorOut]:

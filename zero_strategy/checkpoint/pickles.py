@@ -51,7 +51,7 @@ class LossScalerRecord(_Record):
 
 
 class DynamicLossScalerRecord(_Record):
-    pass
+    """DeepSpeed's DynamicLossScaler (fp16 runs): its scale, window and counters."""
 
 
 def _stage_number(value: Any) -> int:

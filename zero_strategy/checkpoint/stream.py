@@ -4,9 +4,13 @@ peak memory is the largest tensor, never the model."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import secrets
+import shutil
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +18,7 @@ from typing import Any
 import torch
 
 from .verify import ST_DTYPES
-from .write import CheckpointError, atomic_file
+from .write import CheckpointError, _fsync_dir, atomic_file
 
 
 @dataclass(frozen=True)
@@ -72,4 +76,33 @@ def write_safetensors(path: Path, shard: list[TensorOut],
 
 
 
-__all__ = ["TensorOut", "raw_bytes", "tensor_value", "write_safetensors"]
+def check_target(out: Path) -> None:
+    """An export never overwrites: ``out`` must not exist or be an empty directory."""
+    if out.is_symlink() or out.exists() and (not out.is_dir() or any(out.iterdir())):
+        what = "a symlink" if out.is_symlink() else (
+            "not empty" if out.is_dir() else "not a directory")
+        raise CheckpointError(f"{out}: out_dir exists and is {what}; give a new path or an "
+                              "empty directory (nothing is overwritten)")
+
+
+@contextlib.contextmanager
+def staged_directory(out: Path) -> Iterator[Path]:
+    """A temporary sibling of ``out`` to write into, renamed to ``out`` when the block
+    completes; on any failure it is removed, so a failed export leaves nothing."""
+    check_target(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # os.mkdir (not mkdtemp, whose 0o700 would outlive the rename) honours the umask.
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        check_target(out)  # again: something may have been written there meanwhile
+        os.replace(tmp, out)  # replaces an empty directory, refuses a non-empty one
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(out.parent)
+
+
+__all__ = ["TensorOut", "check_target", "raw_bytes", "staged_directory", "tensor_value",
+           "write_safetensors"]
