@@ -16,6 +16,9 @@ PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 REDUCE_DTYPES = ("fp32", "compute")
 NONFINITE_POLICIES = ("skip", "error", "off")
 QUANTIZATIONS = ("off", "int8")
+OFFLOAD_TIERS = (False, True, "cpu", "disk")
+"""Values of ``offload_optimizer`` / ``offload_params``: False (none), True or "cpu" (host
+memory), "disk" (files under ``offload_dir``)."""
 
 # Stage-3-only knobs use None as "not set", so that setting one for a lower stage can be
 # rejected instead of ignored. Their stage-3 defaults live here and nowhere else.
@@ -105,13 +108,22 @@ class ZeroConfig:
     taken from the module before ``step()`` and read after it, before such a read, may hold
     other ranks' old values: take references after ``step()``, or set False to wait in
     ``step()``."""
-    offload_optimizer: bool = False
-    """Keep the fp32 master shard and optimizer states in CPU memory and step there (stage >= 1).
-    On a CPU device they are in CPU memory already: nothing is moved or copied, and memory is
-    that of the same run without offloading."""
-    offload_params: bool = False
-    """Stage 3: keep parameter shards in CPU memory between gathers (on a CPU device: where
-    they are already, at no cost)."""
+    offload_optimizer: bool | str = False
+    """Where the fp32 master shard and optimizer states rest (stage >= 1): False on the
+    device; True or "cpu" in CPU memory, stepped there (on a CPU device they are in CPU
+    memory already: nothing is moved or copied); "disk" (stages 2-3) in files under
+    ``offload_dir``, together with the reduced gradient shards, brought in one unit at a time
+    for the step with the next unit read ahead, so host memory holds a few units' worth
+    (ZeRO-Infinity's NVMe tier; no libaio or compiled ops: the files are memory-mapped and
+    the kernel reads and writes them)."""
+    offload_params: bool | str = False
+    """Stage 3: where parameter shards rest between gathers: False on the device; True or
+    "cpu" in CPU memory (on a CPU device: where they are already, at no cost); "disk" in files
+    under ``offload_dir``, read ahead of each gather (needs ``offload_optimizer="disk"``)."""
+    offload_dir: str | None = None
+    """Directory for the "disk" tier's files (one subdirectory per rank, locked while an
+    engine uses it, removed by ``close()``). None: a fresh directory under the system's temp
+    dir, removed by ``close()``. Setting it without a "disk" tier is an error."""
     broadcast_buffers: bool = True
     """Broadcast rank 0's module buffers at every forward, as DistributedDataParallel does."""
     nonfinite_grads: str = "skip"
@@ -175,8 +187,16 @@ class ZeroConfig:
                 f"precision='16-mixed' needs nonfinite_grads='skip' (got "
                 f"{self.nonfinite_grads!r}): dynamic loss scaling finds its scale by skipping "
                 "the steps that overflow")
-        for name in ("offload_optimizer", "offload_params", "broadcast_buffers",
-                     "elementwise_optimizer", "overlap_param_gather"):
+        for name in ("offload_optimizer", "offload_params"):
+            value = getattr(self, name)
+            if not any(value is allowed or (isinstance(allowed, str) and value == allowed)
+                       for allowed in OFFLOAD_TIERS):
+                raise ValueError(f"{name} must be False, True, 'cpu' or 'disk', got {value!r}")
+        if self.offload_dir is not None and (not isinstance(self.offload_dir, str)
+                                             or not self.offload_dir):
+            raise ValueError(f"offload_dir must be a directory path (str) or None, got "
+                             f"{self.offload_dir!r}")
+        for name in ("broadcast_buffers", "elementwise_optimizer", "overlap_param_gather"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("prefetch", "check_gather_order"):
@@ -239,6 +259,7 @@ class ZeroConfig:
             raise ValueError(
                 f"quantize_gradients={self.quantize_gradients!r} requires stage >= 1 (stage 0 "
                 "all-reduces gradients whole); allowed stages: 1, 2, 3")
+        self._check_disk_tier()
         if self.offload_optimizer and self.stage == 0:
             raise ValueError(
                 "offload_optimizer requires stage >= 1 (stage 0 keeps no optimizer shard to "
@@ -249,6 +270,34 @@ class ZeroConfig:
                 f"loss_scale applies to precision='16-mixed' only, got precision="
                 f"{self.precision!r}"
             )
+
+    def _check_disk_tier(self) -> None:
+        if self.params_tier == "disk" and self.optimizer_tier != "disk":
+            raise ValueError(
+                f"offload_params='disk' needs offload_optimizer='disk' (got "
+                f"{self.offload_optimizer!r}): the masters are the larger part of what the "
+                "disk tier moves out of memory; offload both, or use offload_params='cpu'")
+        if self.optimizer_tier == "disk" and self.stage < 2:
+            raise ValueError(
+                f"offload_optimizer='disk' requires stage 2 or 3 (got stage={self.stage}): "
+                "stage 1 keeps full-size gradients in memory, which the disk tier would not "
+                "bound; use stage=2, or offload_optimizer='cpu'")
+        if self.offload_dir is not None and "disk" not in (self.optimizer_tier,
+                                                           self.params_tier):
+            raise ValueError(
+                f"offload_dir={self.offload_dir!r} is set but nothing is offloaded to disk: "
+                "set offload_optimizer='disk' (and offload_params='disk' at stage 3), or "
+                "leave offload_dir unset")
+
+    @property
+    def optimizer_tier(self) -> str:
+        """Where the masters and optimizer states rest: "device", "cpu" or "disk"."""
+        return _tier(self.offload_optimizer)
+
+    @property
+    def params_tier(self) -> str:
+        """Stage 3: where parameter shards rest between gathers: "device", "cpu" or "disk"."""
+        return _tier(self.offload_params)
 
     def resolved(self, name: str) -> Any:
         """A stage-3 knob with its default filled in (None below stage 3)."""
@@ -276,6 +325,12 @@ class ZeroConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _tier(value: bool | str) -> str:
+    if value == "disk":
+        return "disk"
+    return "cpu" if value in (True, "cpu") else "device"
 
 
 def _check_positive_int(name: str, value: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,11 +28,12 @@ from .core.precision import LossScaler
 from .core.runtime import Runtime
 from .core.units import NamedParams, UnitComms, build_units
 from .memory import estimate_memory, storage_bytes
+from .offload.disk import DiskTier
 from .offload.transfers import Transfers
 from .optim.combined import CombinedOptimizer
 from .optim.combined import parts as optimizer_parts
 from .optim.owner import OwnerPart
-from .optim.sharded import ShardedOptimizer, placement
+from .optim.sharded import ShardedOptimizer, known_states, placement
 from .optim.state import UserOptimizerPatch, full_state_dict, load_full_state_dict
 
 
@@ -84,16 +86,26 @@ class ZeroEngine:
         self.user_optimizer = optimizer
         self._optimizer_signature = _signature(optimizer)
         self.transfers = Transfers.for_device(self.device)
+        self.tier = self._disk_tier(optimizer)
         self.placement = Placement(self.device, self.plan.offload_optimizer,
-                                   self.plan.offload_params, self.transfers, self.pool)
-        self.units = build_units(model, managed, group_of, self.plan, self._unit_comms(),
-                                 self.placement, materializer)
+                                   self.plan.offload_params, self.transfers, self.pool,
+                                   tier=self.tier,
+                                   optimizer_disk=self.config.optimizer_tier == "disk",
+                                   params_disk=self.config.params_tier == "disk")
+        try:
+            self.units = build_units(model, managed, group_of, self.plan, self._unit_comms(),
+                                     self.placement, materializer)
+        except BaseException:
+            if self.tier is not None:
+                self.tier.close()
+            raise
         if materializer is not None:
             materializer.finish()
         self._prepare_unmanaged(model, {id(p) for _, p in managed})
         self.optimizer = ShardedOptimizer(
             optimizer, self.units, self.shards, self.plan.optimizer_shards,
-            self.config.elementwise_optimizer, exchange_numel=self.plan.bucket_numel)
+            self.config.elementwise_optimizer, exchange_numel=self.plan.bucket_numel,
+            tier=self.tier)
         self.runtime = Runtime(self.units, self.shards, model, self.plan.prefetch,
                                self.plan.check_gather_order, world=self.comm)
         self.hooks = HookSet()
@@ -122,6 +134,41 @@ class ZeroEngine:
         if size is None or size == self.comm.world_size:
             return self.comm, None
         return self.comm.split(size)
+
+    def _disk_tier(self, optimizer: torch.optim.Optimizer) -> DiskTier | None:
+        """The disk tier's files for this rank (config.offload_dir), after checking that its
+        filesystem has the bytes the ZeRO formula says this rank will keep there."""
+        if self.config.optimizer_tier != "disk":
+            return None
+        for part in optimizer_parts(optimizer):
+            if placement(part, self.config.elementwise_optimizer) != "shard":
+                raise ValueError(
+                    f"offload_optimizer='disk' steps optimizers on flat shard pieces, one unit "
+                    f"at a time; {type(part).__name__} updates whole parameters on owning "
+                    "ranks: use offload_optimizer='cpu' with it")
+        tier = DiskTier(self.config.offload_dir, self.comm.rank)
+        try:
+            tier.check_space(*self._disk_bytes(optimizer))
+        except BaseException:
+            tier.close()
+            raise
+        weakref.finalize(self, tier.close)  # an engine never closed still removes its files
+        return tier
+
+    def _disk_bytes(self, optimizer: torch.optim.Optimizer) -> tuple[int, str]:
+        policy = self.plan.policy
+        shard = -(-self.num_params // self.plan.optimizer_shards)
+        states = max(known_states(part) for part in optimizer_parts(optimizer))
+        master = policy.master_dtype.itemsize
+        total = shard * master * (1 + states)
+        what = f"fp32 masters and {states} optimizer state(s) per parameter"
+        if self.device.type == "cpu":
+            total += shard * policy.reduce_dtype.itemsize
+            what += ", reduced gradients"
+        if self.config.params_tier == "disk" and policy.separate_master:
+            total += shard * policy.compute_dtype.itemsize
+            what += ", parameter shards"
+        return total, what
 
     def _unit_comms(self) -> UnitComms:
         return UnitComms(shards=self.shards, world=self.comm, replicas=self.replicas)
@@ -243,12 +290,7 @@ class ZeroEngine:
             return False
         if self._norm is not None:
             return not bool(torch.isfinite(self._norm))
-        grads = [g for g in self.optimizer.master_grads() if g.numel()]
-        # One multi-tensor pass: a max-abs is inf/NaN exactly when the shard holds one.
-        peaks = torch._foreach_norm(grads, float("inf")) if grads else []
-        local = torch.zeros((), dtype=torch.float32, device=self.device)
-        if peaks:
-            local += (~torch.isfinite(torch.stack(peaks))).any().to(self.device, torch.float32)
+        local = self.optimizer.nonfinite_local(self.device)
         if self.comm.world_size > 1:
             self.comm.all_reduce_max(local)
         return bool(local.item())
@@ -435,6 +477,8 @@ class ZeroEngine:
         self._closed = True
         self.units = []
         self.optimizer.segments = []
+        if self.tier is not None:
+            self.tier.close()
         return self.module
 
     # ------------------------------------------------------------------ state

@@ -10,6 +10,7 @@ DDP does): summed first, an fp16 gradient at a loss scale of 2**16 overflows on 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -37,6 +38,16 @@ class GradStore(ABC):
         """Hybrid sharding: the ranks holding the same shard; each reduced shard is summed
         across them, so a gradient is divided by every rank of the world, not of the group."""
         self._pending: tuple[Handle, torch.Tensor | None] | None = None
+        self._shard_alloc: Callable[[int, torch.dtype], torch.Tensor] | None = None
+        self._shard_clear: Callable[[torch.Tensor], None] | None = None
+
+    def use_shard_memory(self, memory: tuple[Callable[[int, torch.dtype], torch.Tensor],
+                                             Callable[[torch.Tensor], None]] | None) -> None:
+        """Where a reduced shard that persists between steps is allocated and how it is
+        cleared (the disk tier's files); None: zeros on the device. Stages whose shard is
+        part of a full-size buffer keep it there."""
+        if memory is not None:
+            self._shard_alloc, self._shard_clear = memory
 
     def _local_view(self, buf: torch.Tensor, index: int) -> torch.Tensor:
         slot = self.layout.slots[index]
@@ -194,8 +205,11 @@ class ShardedGrads(GradStore):
     @property  # type: ignore[override]
     def grad_shard(self) -> torch.Tensor:
         if self._shard is None:
-            self._shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype,
-                                      device=self.device)
+            if self._shard_alloc is not None:  # a new file: reads as zeros
+                self._shard = self._shard_alloc(self.layout.shard_numel, self.dtype)
+            else:
+                self._shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype,
+                                          device=self.device)
         return self._shard
 
     def _take_local(self) -> torch.Tensor:
@@ -246,7 +260,12 @@ class ShardedGrads(GradStore):
         in_flight = self.wait()  # a pass cut short may have left a reduction running
         if in_flight is not None and in_flight is not self._shard:
             self.pool.give(in_flight)
-        if self._shard is not None:
+        if self._shard is not None and self._shard_clear is not None:
+            # Zeros written into a disk-tier shard would cost a write of every gradient byte
+            # per step; the tier marks the file's range as zeros instead, so the reduction
+            # that overwrites it next does not read the old bytes in first.
+            self._shard_clear(self._shard)
+        elif self._shard is not None:
             self._shard.zero_()
         self._summed = False
         self._drop_local()  # partial sums of such a pass

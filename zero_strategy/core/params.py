@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -35,6 +37,9 @@ from .buffers import BufferPool
 from .flat import FlatLayout
 from .precision import PrecisionPolicy
 from .storage import alias_count
+
+if TYPE_CHECKING:
+    from ..offload.disk import DiskTier
 
 
 class ParamState(enum.Enum):
@@ -47,28 +52,74 @@ class Placement:
     """Where the master shard and (stage 3) the at-rest parameter shard live, the transfers
     that move offloaded ones, and the pool lending memory to gathered buffers.
 
-    Offloading takes effect only where host memory is apart from the compute device's (a GPU):
-    on a CPU device an offloaded master or shard would be a second copy of the same bytes in
-    the same memory, so there the stores keep one copy, as without offloading."""
+    Host offloading takes effect only where host memory is apart from the compute device's (a
+    GPU): on a CPU device an offloaded master or shard would be a second copy of the same
+    bytes in the same memory, so there the stores keep one copy, as without offloading. The
+    disk tier (``offload/disk.py``) takes effect on every device: its tensors are files.
+
+    ``offload_optimizer`` / ``offload_params`` say whether the master / the shard rest
+    anywhere but the compute device (host memory or disk)."""
 
     def __init__(self, device: torch.device, offload_optimizer: bool, offload_params: bool,
-                 transfers: Transfers, pool: BufferPool):
+                 transfers: Transfers, pool: BufferPool, tier: DiskTier | None = None,
+                 optimizer_disk: bool = False, params_disk: bool = False):
         self.device = device
         apart = transfers.host_is_separate
-        self.offload_optimizer = offload_optimizer and apart
-        self.offload_params = offload_params and apart
+        self.optimizer_disk = optimizer_disk and tier is not None
+        self.params_disk = params_disk and tier is not None
+        self.offload_optimizer = bool(offload_optimizer) and apart or self.optimizer_disk
+        self.offload_params = bool(offload_params) and apart or self.params_disk
         self.transfers = transfers
         self.pool = pool
+        self.tier = tier
 
-    def master_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    @property
+    def master_is_shard(self) -> bool:
+        """Stage 3 without a separate master: both rest in the same place (one copy)."""
+        if self.optimizer_disk or self.params_disk:
+            return self.optimizer_disk == self.params_disk
+        return not (self.offload_optimizer or self.offload_params)
+
+    def master_empty(self, numel: int, dtype: torch.dtype, name: str = "master") -> torch.Tensor:
+        if self.optimizer_disk:
+            assert self.tier is not None
+            return self.tier.empty(numel, dtype, name)
         if self.offload_optimizer:
             return self.transfers.host_empty(numel, dtype)
         return torch.empty(numel, dtype=dtype, device=self.device)
 
-    def shard_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def shard_empty(self, numel: int, dtype: torch.dtype, name: str = "shard") -> torch.Tensor:
+        if self.params_disk:
+            assert self.tier is not None
+            return self.tier.empty(numel, dtype, name)
         if self.offload_params:
             return self.transfers.host_empty(numel, dtype)
         return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def master_grad_empty(self, numel: int, dtype: torch.dtype, name: str) -> torch.Tensor:
+        """Where an offloaded master's reduced gradient rests until the step."""
+        if self.optimizer_disk:
+            assert self.tier is not None
+            return self.tier.empty(numel, dtype, name)
+        return self.transfers.host_empty(numel, dtype)
+
+    def grad_shard_memory(self, name: str) -> tuple[Callable[[int, torch.dtype], torch.Tensor],
+                                                     Callable[[torch.Tensor], None]] | None:
+        """How a stage 2-3 unit allocates and clears its reduced gradient shard: in the disk
+        tier when the gradient is reduced where the master rests (a CPU device); None: on
+        the device."""
+        tier = self.tier
+        if not self.optimizer_disk or self.device.type != "cpu" or tier is None:
+            return None
+        return (lambda numel, dtype: tier.empty(numel, dtype, name)), tier.zero_range
+
+    def read_ahead(self, tensors: list[torch.Tensor]) -> None:
+        if self.tier is not None:
+            self.tier.prefetch(tensors)
+
+    def done_with(self, tensors: list[torch.Tensor], dirty: bool) -> None:
+        if self.tier is not None:
+            self.tier.release(tensors, dirty)
 
 
 def _initial_flat(
@@ -137,6 +188,10 @@ class ParamStore(ABC):
     def aliases(self) -> int | None:
         """Tensors viewing the memory a gather fills (None: nothing is gathered, or torch
         cannot count them)."""
+        return None
+
+    def read_ahead(self) -> None:
+        """A gather of this unit is coming: start reading its at-rest shard (disk tier)."""
         return None
 
     @abstractmethod
@@ -213,7 +268,7 @@ class ReplicatedParams(ParamStore):
 
     def __init__(
         self, params: list[nn.Parameter], layout: FlatLayout, rank: int,
-        policy: PrecisionPolicy, placement: Placement, comm: Communicator,
+        policy: PrecisionPolicy, placement: Placement, comm: Communicator, name: str = "unit",
     ) -> None:
         super().__init__(layout, rank, policy, placement)
         flat = _initial_flat(params, layout, policy.master_dtype, placement.device, comm)
@@ -223,12 +278,14 @@ class ReplicatedParams(ParamStore):
             self.full = flat
             self.master = flat[lo:hi]
         else:
-            self.master = placement.master_empty(layout.shard_numel, policy.master_dtype)
+            self.master = placement.master_empty(layout.shard_numel, policy.master_dtype,
+                                                 f"{name}.master")
             self.master.copy_(flat[lo:hi])
             self.full = flat.to(policy.compute_dtype)
         _point_params_at(params, layout, self.full)
         self._state = ParamState.UNSHARDED
         self._handle: Handle | None = None
+        placement.done_with([self.master], dirty=True)
 
     @property
     def state(self) -> ParamState:
@@ -291,15 +348,17 @@ class ShardedParams(ParamStore):
 
     def __init__(
         self, params: list[nn.Parameter], layout: FlatLayout, rank: int,
-        policy: PrecisionPolicy, placement: Placement, comm: Communicator,
+        policy: PrecisionPolicy, placement: Placement, comm: Communicator, name: str = "unit",
     ) -> None:
         super().__init__(layout, rank, policy, placement)
         flat = _initial_flat(params, layout, policy.master_dtype, placement.device, comm)
         lo, hi = self.bounds
-        self.shard = placement.shard_empty(layout.shard_numel, policy.compute_dtype)
+        self.shard = placement.shard_empty(layout.shard_numel, policy.compute_dtype,
+                                           f"{name}.shard")
         self.shard.copy_(flat[lo:hi])
-        if policy.separate_master or placement.offload_optimizer or placement.offload_params:
-            self.master = placement.master_empty(layout.shard_numel, policy.master_dtype)
+        if policy.separate_master or not placement.master_is_shard:
+            self.master = placement.master_empty(layout.shard_numel, policy.master_dtype,
+                                                 f"{name}.master")
             self.master.copy_(flat[lo:hi])
         else:
             self.master = self.shard
@@ -322,6 +381,7 @@ class ShardedParams(ParamStore):
         self._handle: Handle | None = None
         self._source: torch.Tensor | None = None
         self.reshard()
+        placement.done_with([self.shard, self.master], dirty=True)
 
     @property
     def state(self) -> ParamState:
@@ -363,6 +423,11 @@ class ShardedParams(ParamStore):
                 p.data = placeholder
             self.pool.reclaim(self.full.untyped_storage())
             self._state = ParamState.SHARDED
+            self.placement.done_with([self.shard], dirty=False)
+
+    def read_ahead(self) -> None:
+        if self._state is ParamState.SHARDED:
+            self.placement.read_ahead([self.shard])
 
     def aliases(self) -> int | None:
         """Tensors viewing the gathered buffer's memory, the engine's own views included

@@ -52,6 +52,9 @@ MAX_INFLIGHT_REDUCTIONS = 2
 # Gather-order tags read at once on a GPU (one host sync) at the latest after this many
 # gathers, so a forward-only loop does not queue them without bound.
 DEFERRED_TAGS = 64
+READ_AHEAD_UNITS = 2
+"""Units beyond the one being prefetched whose disk-tier shards are read ahead: enough to
+keep the disk busy while a unit computes, few enough to bound what is resident."""
 
 
 class GatherOrderError(RuntimeError):
@@ -250,6 +253,10 @@ class Runtime:
         for i, u in enumerate(order[:-1]):
             if u is unit:
                 self.unshard(order[i + 1])
+                # Shards at rest on disk are read further ahead than the gather: the gather
+                # of the next unit then finds its bytes in memory.
+                for later in order[i + 2 : i + 2 + READ_AHEAD_UNITS]:
+                    later.param_store.read_ahead()
                 return
 
     # ---------------------------------------------------------------- backward
@@ -402,4 +409,5 @@ class Runtime:
     def _finish(self, unit: Unit) -> None:
         unit.grad_store.finish_reduce()
         unit.prepare_master_grad()
+        unit.rest_master_grad()
         self.grads_pending_step = True

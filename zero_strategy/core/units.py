@@ -86,11 +86,25 @@ class Unit:
             return
         if self._master_grad_buffer is None:
             if self.offload_optimizer:  # kept: pinned host memory is costly to allocate
-                self._master_grad_buffer = self.transfers.host_empty(grad.numel(), master.dtype)
+                self._master_grad_buffer = self.param_store.placement.master_grad_empty(
+                    grad.numel(), master.dtype, f"u{self.index}.grad")
             else:
                 self._master_grad_buffer = torch.empty_like(master)
         self._grad_copy = self.transfers.copy(self._master_grad_buffer, grad)
         self._master_grad = self._master_grad_buffer
+
+    def rest_master_grad(self) -> None:
+        """Disk tier: the reduced gradient is complete; write it back and drop it from memory
+        until the step reads it (nothing to do elsewhere, or while a copy still writes it)."""
+        if self._master_grad is not None and self._grad_copy is None:
+            self.param_store.placement.done_with([self._master_grad], dirty=True)
+
+    def step_tensors(self) -> list[torch.Tensor]:
+        """What the optimizer step of this unit reads and writes besides optimizer state."""
+        store = self.param_store
+        shard = getattr(store, "shard", None)
+        extra = [shard] if shard is not None and shard is not store.master else []
+        return [store.master, self.master_grad, *extra]
 
     def fence_grad_copy(self) -> None:
         """Make the compute stream wait for the gradient copy: from the end of backward on,
@@ -227,10 +241,11 @@ def build_units(
         if materializer is not None:  # only now: one unit's full values exist at a time
             materializer.ensure(params)
         pstore = PARAM_STORES[spec.kind.params](
-            params, layout, shard_rank, policy, placement, comms.world
+            params, layout, shard_rank, policy, placement, comms.world, name=f"u{index}"
         )
         gstore = GRAD_STORES[spec.kind.grads](layout, shard_rank, policy.reduce_dtype, device,
                                               pool, policy.int8_reductions, comms.replicas)
+        gstore.use_shard_memory(placement.grad_shard_memory(f"u{index}.grad"))
         units.append(Unit(index, spec, layout, pstore, gstore, params,
                           placement.offload_optimizer))
     return units

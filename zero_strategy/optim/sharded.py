@@ -14,9 +14,9 @@ groups before every step.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.profiler import record_function
@@ -26,6 +26,9 @@ from ..core.units import Unit
 from .combined import parts as combined_parts
 from .inner import IMPLEMENTATION_KEYS, inner_groups, rebuild, state_record, sync_hyperparameters
 from .owner import OwnerPart
+
+if TYPE_CHECKING:
+    from ..offload.disk import DiskTier
 
 # How many parameter-sized state tensors each optimizer keeps (the ZeRO formula's K / 4 in
 # fp32). Used for the memory prediction before the first step has created any state.
@@ -112,6 +115,9 @@ class ShardPart:
             params[seg.group - first_group].append(seg.view)
         self.inner = rebuild(type(user), user.defaults, inner_groups(user, params))
 
+    def _of_unit(self, unit: Unit | None) -> list[Segment]:
+        return self.segments if unit is None else [s for s in self.segments if s.unit is unit]
+
     def add_segments(self, new: list[Segment]) -> None:
         """Pieces of parameters added to the user's optimizer after construction."""
         self.groups = range(self.groups.start, self.groups.start + len(self.user.param_groups))
@@ -123,16 +129,32 @@ class ShardPart:
             self.segments.append(seg)
             self.inner.param_groups[seg.group - self.groups.start]["params"].append(seg.view)
 
-    def step(self) -> None:
+    def step(self, unit: Unit | None = None) -> None:
+        """Step every piece, or only ``unit``'s (the disk tier steps one unit at a time:
+        torch skips a parameter whose grad is None, so the others are left as they are)."""
         sync_hyperparameters(self.user, self.inner)
-        for seg in self.segments:
+        segments = self._of_unit(unit)
+        for seg in segments:
             if seg.unit.stepped[seg.index]:
                 seg.view.grad = seg.unit.master_grad[seg.start : seg.end]
         try:
             self.inner.step()
         finally:
-            for seg in self.segments:
+            for seg in segments:
                 seg.view.grad = None
+
+    def unit_states(self, unit: Unit) -> list[torch.Tensor]:
+        return [v for seg in self._of_unit(unit) for v in self.inner.state.get(seg.view, {}).values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0]
+
+    def adopt_states(self, unit: Unit, tier: DiskTier) -> None:
+        """Move ``unit``'s optimizer states torch created in memory (the first step, a load)
+        into the disk tier's files."""
+        for seg in self._of_unit(unit):
+            state = self.inner.state.get(seg.view, {})
+            for key, value in list(state.items()):
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and not tier.holds(value):
+                    state[key] = tier.adopt(value, f"u{unit.index}.{seg.index}.{seg.start}.{key}")
 
     def records(self) -> dict[str, dict[str, Any]]:
         """Records of the parameters whose pieces on this rank have optimizer state."""
@@ -168,8 +190,11 @@ class ShardedOptimizer:
 
     def __init__(self, user_optimizer: torch.optim.Optimizer, units: list[Unit],
                  comm: Communicator, shards: int, declared_elementwise: bool = False,
-                 exchange_numel: int = 5_000_000) -> None:
+                 exchange_numel: int = 5_000_000, tier: DiskTier | None = None) -> None:
         self.user = user_optimizer
+        self.tier = tier
+        """The disk tier holding masters, states and reduced gradients: the step and every
+        pass over the gradients then stream units through memory one after another."""
         self.units = units
         self.comm = comm
         self.shards = shards
@@ -216,11 +241,62 @@ class ShardedOptimizer:
         for unit in self.units:  # the host is about to write masters copies may still read
             unit.param_store.wait_host_copies()
         with record_function("zero::optimizer_step"):
-            for part in self.parts:
-                part.step()
+            if self.tier is None:
+                for part in self.parts:
+                    part.step()
+            else:
+                self._step_streamed(self.tier)
 
-    def master_grads(self) -> list[torch.Tensor]:
-        return [unit.master_grad for unit in self.units]
+    def _step_tensors(self, unit: Unit) -> list[torch.Tensor]:
+        states = [t for part in self.parts if isinstance(part, ShardPart)
+                  for t in part.unit_states(unit)]
+        return unit.step_tensors() + states
+
+    def _step_streamed(self, tier: DiskTier) -> None:
+        """One unit at a time: the next unit's files are read ahead while this one steps,
+        and each unit's pages are written back and dropped once it has stepped."""
+        if self.units:
+            tier.prefetch(self._step_tensors(self.units[0]))
+        for k, unit in enumerate(self.units):
+            if k + 1 < len(self.units):
+                tier.prefetch(self._step_tensors(self.units[k + 1]))
+            for part in self.parts:
+                assert isinstance(part, ShardPart), "the engine refuses owners with disk"
+                part.step(unit)
+                part.adopt_states(unit, tier)
+            tier.release(self._step_tensors(unit), dirty=True)
+
+    def master_grads(self) -> Iterator[torch.Tensor]:
+        """Every unit's reduced gradient shard, in unit order. With the disk tier each is
+        read ahead before it is yielded and written back once the caller moves on, so a loop
+        over them holds about two in memory."""
+        if self.tier is None:
+            for unit in self.units:
+                yield unit.master_grad
+            return
+        tier = self.tier
+        for k, unit in enumerate(self.units):
+            if k == 0:
+                tier.prefetch([unit.master_grad])
+            if k + 1 < len(self.units):
+                tier.prefetch([self.units[k + 1].master_grad])
+            grad = unit.master_grad
+            yield grad
+            tier.release([grad], dirty=True)
+
+    def nonfinite_local(self, device: torch.device) -> torch.Tensor:
+        """1.0 where this rank holds an inf/NaN gradient, else 0.0 (fp32 on ``device``)."""
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        if self.tier is None:
+            grads = [g for g in self.master_grads() if g.numel()]
+            # One multi-tensor pass: a max-abs is inf/NaN exactly when the shard holds one.
+            peaks = torch._foreach_norm(grads, float("inf")) if grads else []
+        else:
+            peaks = [torch.linalg.vector_norm(g, float("inf")) for g in self.master_grads()
+                     if g.numel()]
+        if peaks:
+            local += (~torch.isfinite(torch.stack(peaks))).any().to(device, torch.float32)
+        return local
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """Norm of the whole (reduced) gradient, from the shards every rank holds; on the
@@ -264,22 +340,26 @@ def known_states(optimizer: torch.optim.Optimizer) -> int:
     return _STATES_PER_PARAM.get(name, 2)
 
 
-def global_norm(grads: list[torch.Tensor], norm_type: float, comm: Communicator,
+def global_norm(grads: Iterable[torch.Tensor], norm_type: float, comm: Communicator,
                 sharded: bool) -> torch.Tensor:
     """The ``norm_type`` norm over every rank's ``grads`` (disjoint shards when ``sharded``),
-    as an fp32 scalar on ``comm.device``."""
-    grads = [g for g in grads if g.numel()]
-    device = grads[0].device if grads else comm.device
+    as an fp32 scalar on ``comm.device``; ``grads`` is read once, in order."""
+    local: torch.Tensor | None = None
     if math.isinf(norm_type):
-        local = torch.stack([g.abs().max().float() for g in grads]
-                            or [torch.zeros((), device=device)]).max()
+        peaks = [g.abs().max().float() for g in grads if g.numel()]
+        local = torch.stack(peaks).max() if peaks else torch.zeros((), device=comm.device)
         local = local.to(comm.device)
         if sharded:
             comm.all_reduce_max(local)
         return local
-    local = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
+        if not g.numel():
+            continue
+        if local is None:
+            local = torch.zeros((), dtype=torch.float32, device=g.device)
         local += torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type
+    if local is None:
+        local = torch.zeros((), dtype=torch.float32, device=comm.device)
     local = local.to(comm.device)
     if sharded:
         comm.all_reduce(local)
