@@ -144,7 +144,8 @@ class ShardPart:
                 seg.view.grad = None
 
     def unit_states(self, unit: Unit) -> list[torch.Tensor]:
-        return [v for seg in self._of_unit(unit) for v in self.inner.state.get(seg.view, {}).values()
+        states = [self.inner.state.get(seg.view, {}) for seg in self._of_unit(unit)]
+        return [v for state in states for v in state.values()
                 if isinstance(v, torch.Tensor) and v.dim() > 0]
 
     def adopt_states(self, unit: Unit, tier: DiskTier) -> None:
