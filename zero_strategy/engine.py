@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import warnings
 import weakref
@@ -28,12 +29,12 @@ from .core.precision import LossScaler
 from .core.runtime import Runtime
 from .core.units import NamedParams, UnitComms, build_units
 from .memory import estimate_memory, storage_bytes
-from .offload.disk import DiskTier
+from .offload.disk import DiskFullError, DiskTier
 from .offload.transfers import Transfers
 from .optim.combined import CombinedOptimizer
 from .optim.combined import parts as optimizer_parts
 from .optim.owner import OwnerPart
-from .optim.sharded import ShardedOptimizer, known_states, placement
+from .optim.sharded import ShardedOptimizer, placement, state_keys
 from .optim.state import UserOptimizerPatch, full_state_dict, load_full_state_dict
 
 
@@ -106,6 +107,13 @@ class ZeroEngine:
             optimizer, self.units, self.shards, self.plan.optimizer_shards,
             self.config.elementwise_optimizer, exchange_numel=self.plan.bucket_numel,
             tier=self.tier)
+        if self.tier is not None:
+            problem = None
+            try:
+                self.optimizer.reserve_states()
+            except OSError as e:
+                problem = e
+            self._agree_on_disk(problem, self.tier)
         self.runtime = Runtime(self.units, self.shards, model, self.plan.prefetch,
                                self.plan.check_gather_order, world=self.comm)
         self.hooks = HookSet()
@@ -146,19 +154,36 @@ class ZeroEngine:
                     f"offload_optimizer='disk' steps optimizers on flat shard pieces, one unit "
                     f"at a time; {type(part).__name__} updates whole parameters on owning "
                     "ranks: use offload_optimizer='cpu' with it")
-        tier = DiskTier(self.config.offload_dir, self.comm.rank)
+        problem: BaseException | None = None
+        tier: DiskTier | None = None
         try:
+            tier = DiskTier(self.config.offload_dir, self.comm.rank)
             tier.check_space(*self._disk_bytes(optimizer))
-        except BaseException:
-            tier.close()
-            raise
+        except (OSError, ValueError) as e:
+            problem = e
+        self._agree_on_disk(problem, tier)
+        assert tier is not None
         weakref.finalize(self, tier.close)  # an engine never closed still removes its files
         return tier
+
+    def _agree_on_disk(self, problem: BaseException | None, tier: DiskTier | None) -> None:
+        """Every rank raises when one cannot use its offload_dir (the others would wait for
+        it in the next collective)."""
+        failed = self.comm.agree_max(int(problem is not None))
+        if not failed:
+            return
+        if tier is not None:
+            tier.close()
+        if problem is not None:
+            raise problem
+        raise DiskFullError(errno.EIO, "offload_dir: another rank cannot use its disk tier "
+                            "(its error names the directory and the bytes); nothing was built")
 
     def _disk_bytes(self, optimizer: torch.optim.Optimizer) -> tuple[int, str]:
         policy = self.plan.policy
         shard = -(-self.num_params // self.plan.optimizer_shards)
-        states = max(known_states(part) for part in optimizer_parts(optimizer))
+        states = max((len(keys) for part in optimizer_parts(optimizer)
+                      for keys in state_keys(part)), default=0)
         master = policy.master_dtype.itemsize
         total = shard * master * (1 + states)
         what = f"fp32 masters and {states} optimizer state(s) per parameter"
@@ -469,7 +494,7 @@ class ZeroEngine:
                 flat = unit.param_store.gather_master(self.shards)
                 for slot, p in zip(unit.layout.slots, unit.params):
                     value = flat[slot.offset : slot.end].view(slot.shape)
-                    p.data = value.to(self._original_dtypes[id(p)], copy=True)
+                    p.data = self._closed_copy(value, self._original_dtypes[id(p)], slot.name)
         self.hooks.remove()
         self.patches.remove()
         for patch in self.optimizer_patches:
@@ -480,6 +505,18 @@ class ZeroEngine:
         if self.tier is not None:
             self.tier.close()
         return self.module
+
+    def _closed_copy(self, value: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+        """A parameter's value for the plain module ``close`` gives back. With the disk tier
+        the model may not fit in memory, so the value goes into a file of the tier, mapped:
+        the mapping outlives the file's directory entry, which ``close`` removes, and its
+        pages are read on use and reclaimable, like a checkpoint loaded with ``mmap=True``."""
+        if self.tier is None:
+            return value.to(dtype, copy=True)
+        out = self.tier.empty(value.numel(), dtype, f"closed.{name}").view(value.shape)
+        out.copy_(value)
+        self.tier.release([out], dirty=True)
+        return out
 
     # ------------------------------------------------------------------ state
     @property
@@ -580,6 +617,9 @@ class ZeroEngine:
             "predicted_optimizer_bytes": predicted.optimizer_bytes,
             "predicted_total_bytes": predicted.total_bytes,
             "predicted_host_bytes": predicted.host_bytes,
+            "disk_bytes": self.tier.disk_bytes() if self.tier is not None else 0,
+            "predicted_disk_bytes": predicted.disk_bytes,
+            "predicted_resident_bytes": predicted.resident_bytes,
             "ratio_to_formula": total / predicted.total_bytes if predicted.total_bytes else 1.0,
         }
 
@@ -591,6 +631,7 @@ class ZeroEngine:
             reduce_dtype=self.config.reduce_dtype, offload_optimizer=self.config.offload_optimizer,
             offload_params=self.config.offload_params,
             host_is_device=not self.transfers.host_is_separate,
+            largest_unit_numel=max((u.layout.shard_numel for u in self.units), default=0),
             placed_params=sum(p.placed_numel() for p in owner_parts),
             owned_params=sum(p.owned_numel() for p in owner_parts),
             placed_states=max((p.states_per_param() for p in owner_parts), default=0),

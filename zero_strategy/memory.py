@@ -40,6 +40,18 @@ class MemoryEstimate:
     optimizer_bytes: int
     device_bytes: int
     host_bytes: int
+    disk_bytes: int = 0
+    """Model states resting in the disk tier's files (not resident)."""
+    window_bytes: int = 0
+    """Disk tier: what streaming holds in memory at once, from ``largest_unit_numel``: the
+    step's unit and the one read ahead (master, states, gradient each), and the forward's
+    gathered unit, its prefetched neighbour and the local gradient of one unit."""
+
+    @property
+    def resident_bytes(self) -> int:
+        """Model-state bytes in memory (device and host): everything but the disk tier's
+        files, plus its streaming window."""
+        return self.device_bytes + self.host_bytes + self.window_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -48,14 +60,16 @@ class MemoryEstimate:
     def as_dict(self) -> dict[str, int | str]:
         out = asdict(self)
         out["total_bytes"] = self.total_bytes
+        out["resident_bytes"] = self.resident_bytes
         return out
 
 
 def estimate_memory(
     num_params: int, *, stage: int, world_size: int, precision: str = "32-true",
-    optimizer_states: int = 2, reduce_dtype: str = "fp32", offload_optimizer: bool = False,
-    offload_params: bool = False, placed_params: int = 0, owned_params: int = 0,
+    optimizer_states: int = 2, reduce_dtype: str = "fp32", offload_optimizer: bool | str = False,
+    offload_params: bool | str = False, placed_params: int = 0, owned_params: int = 0,
     placed_states: int = 0, elementwise_here: int | None = None, host_is_device: bool = False,
+    largest_unit_numel: int = 0,
 ) -> MemoryEstimate:
     """Model-state bytes one rank holds under the ZeRO formula (``optimizer_states``: state
     tensors per parameter, 2 for Adam). Offloaded parts count as host bytes.
@@ -65,7 +79,10 @@ def estimate_memory(
     of them. ``elementwise_here``: how many elements of the other parameters lie in this
     rank's shard (flat shards cut across parameters, so with some placed ones the rest need not
     split evenly); by default an even share. ``host_is_device``: training on the CPU, where
-    offloading moves nothing (no separate fp32 master, no host bytes apart from the device's)."""
+    offloading moves nothing (no separate fp32 master, no host bytes apart from the device's).
+    ``offload_optimizer="disk"`` puts the optimizer bytes (and the reduced gradients where the
+    host is the device) in ``disk_bytes``, ``offload_params="disk"`` the parameter shards;
+    ``largest_unit_numel`` (the engine's largest unit) sizes ``window_bytes``."""
     if not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params must be an int >= 0, got {num_params!r}")
     if not isinstance(world_size, int) or world_size < 1:
@@ -82,11 +99,14 @@ def estimate_memory(
         offload_optimizer=offload_optimizer, offload_params=offload_params,
     )
     policy = make_policy(config)
-    if host_is_device:
-        offload_optimizer = offload_params = False
+    optimizer_disk = config.optimizer_tier == "disk"
+    params_disk = config.params_tier == "disk"
+    host_optimizer = config.optimizer_tier == "cpu" and not host_is_device
+    host_params = config.params_tier == "cpu" and not host_is_device
     p = _size(policy.compute_dtype)
     g = _size(policy.reduce_dtype)
-    separate_master = policy.separate_master or offload_optimizer or offload_params
+    separate_master = (policy.separate_master or host_optimizer or host_params
+                       or optimizer_disk != params_disk)
     state = _size(policy.master_dtype)
     master = state if separate_master else 0
     k = optimizer_states * state + master
@@ -99,12 +119,21 @@ def estimate_memory(
         elementwise_here = (num_params - placed_params) // share
     optim = (num_params * master // share + elementwise_here * optimizer_states * state
              + owned_params * placed_states * state)
-    host = (optim if offload_optimizer else 0) + (params if offload_params else 0)
+    host = (optim if host_optimizer else 0) + (params if host_params else 0)
+    disk_grads = optimizer_disk and host_is_device  # reduced where the master rests
+    disk = ((optim if optimizer_disk else 0) + (params if params_disk else 0)
+            + (grads if disk_grads else 0))
+    params_resident = 0 if params_disk else params
+    window = 0
+    if optimizer_disk:
+        unit = largest_unit_numel
+        window = 2 * unit * (state * (1 + optimizer_states) + g) + unit * (2 * p + g)
+    resident = params_resident + (0 if disk_grads else grads) + (0 if optimizer_disk else optim)
     return MemoryEstimate(
         num_params=num_params, stage=stage, world_size=n, precision=precision,
         param_bytes_per_param=p, grad_bytes_per_param=g, optimizer_bytes_per_param=k,
         params_bytes=params, grads_bytes=grads, optimizer_bytes=optim,
-        device_bytes=params + grads + optim - host, host_bytes=host,
+        device_bytes=resident - host, host_bytes=host, disk_bytes=disk, window_bytes=window,
     )
 
 

@@ -61,6 +61,13 @@ class Unit:
         self._master_grad_buffer: torch.Tensor | None = None
         self._grad_copy: Copy | None = None
         """The copy writing an offloaded ``master_grad``, until the host waited for it."""
+        self.grad_summary: tuple[torch.Tensor, torch.Tensor] | None = None
+        """Disk tier: (2-norm ** 2, max-abs) of ``master_grad`` as last reduced, taken while
+        it was in memory, so clipping and the finiteness check need not read it back."""
+        self.pending_scales: list[torch.Tensor] = []
+        """Disk tier: clipping coefficients not yet multiplied into ``master_grad``: applied
+        (``settled_grad``) right before anything reads it, the step included, so the
+        gradient is read and written once per step instead of once per pass over it."""
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, {self.name or '<root>'!r}, numel={self.layout.numel})"
@@ -79,25 +86,77 @@ class Unit:
     def prepare_master_grad(self) -> None:
         """Start bringing the reduced shard into the master's dtype and place (a copy that
         overlaps the rest of backward when the master is offloaded)."""
-        grad, master = self.grad_store.grad_shard, self.param_store.master
-        copies = self.offload_optimizer and self.transfers.host_is_separate
-        if grad.dtype == master.dtype and grad.device == master.device and not copies:
+        grad = self.grad_store.grad_shard
+        if not self._needs_buffer():
             self._master_grad = grad
             return
-        if self._master_grad_buffer is None:
-            if self.offload_optimizer:  # kept: pinned host memory is costly to allocate
-                self._master_grad_buffer = self.param_store.placement.master_grad_empty(
-                    grad.numel(), master.dtype, f"u{self.index}.grad")
-            else:
-                self._master_grad_buffer = torch.empty_like(master)
-        self._grad_copy = self.transfers.copy(self._master_grad_buffer, grad)
+        self._grad_copy = self.transfers.copy(self._buffer(), grad)
         self._master_grad = self._master_grad_buffer
 
+    def _needs_buffer(self) -> bool:
+        """Whether the reduced shard is copied into a buffer of the master's dtype and place
+        (else the master's gradient is the reduced shard itself)."""
+        grad, master = self.grad_store.grad_shard, self.param_store.master
+        copies = self.offload_optimizer and self.transfers.host_is_separate
+        return not (grad.dtype == master.dtype and grad.device == master.device and not copies)
+
+    def _buffer(self) -> torch.Tensor:
+        if self._master_grad_buffer is None:
+            master = self.param_store.master
+            if self.offload_optimizer:  # kept: pinned host memory is costly to allocate
+                self._master_grad_buffer = self.param_store.placement.master_grad_empty(
+                    master.numel(), master.dtype, f"u{self.index}.master_grad")
+            else:
+                self._master_grad_buffer = torch.empty_like(master)
+        return self._master_grad_buffer
+
+    def reserve_disk(self) -> None:
+        """Disk tier: create the gradient's files now (the reduced shard, the master's
+        gradient), so a full disk is an error when the engine is built, not mid-backward."""
+        if self._needs_buffer():
+            self._buffer()
+
     def rest_master_grad(self) -> None:
-        """Disk tier: the reduced gradient is complete; write it back and drop it from memory
-        until the step reads it (nothing to do elsewhere, or while a copy still writes it)."""
-        if self._master_grad is not None and self._grad_copy is None:
-            self.param_store.placement.done_with([self._master_grad], dirty=True)
+        """Disk tier: the reduced gradient is complete; summarise it, write it back and drop
+        it from memory until the step reads it (nothing to do elsewhere, or while a copy
+        still writes it)."""
+        placement = self.param_store.placement
+        grad = self._master_grad
+        if not placement.optimizer_disk or grad is None or self._grad_copy is not None:
+            return
+        self.grad_summary = None
+        if grad.numel():  # the expressions the uncached passes evaluate, for equal bits
+            self.grad_summary = (torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32) ** 2.0,
+                                 torch.linalg.vector_norm(grad, float("inf")))
+        placement.done_with([grad], dirty=True)
+
+    def scaled_grad(self) -> torch.Tensor:
+        """``master_grad`` with the deferred clipping applied, into a pooled buffer when there
+        is any: what the step reads, leaving the gradient's file clean (nothing to write
+        back for a gradient the step is about to forget). Give it back with
+        ``drop_scaled``."""
+        grad = self.master_grad
+        if not self.pending_scales:
+            return grad
+        out = self.param_store.placement.pool.take(grad.numel(), grad.dtype)
+        out.copy_(grad)
+        for coef in self.pending_scales:
+            out.mul_(coef.to(out.device).to(out.dtype))
+        return out
+
+    def drop_scaled(self, scaled: torch.Tensor) -> None:
+        if scaled is not self._master_grad:
+            self.param_store.placement.pool.give(scaled)
+
+    def settled_grad(self) -> torch.Tensor:
+        """``master_grad`` with the deferred clipping applied; the caller may change it, so
+        its summary is dropped."""
+        grad = self.master_grad
+        for coef in self.pending_scales:
+            grad.mul_(coef.to(grad.device).to(grad.dtype))
+        self.pending_scales = []
+        self.grad_summary = None
+        return grad
 
     def step_tensors(self) -> list[torch.Tensor]:
         """What the optimizer step of this unit reads and writes besides optimizer state."""
@@ -123,6 +182,8 @@ class Unit:
         self.grad_store.zero()
         self.used = [False] * len(self.params)
         self._master_grad = None
+        self.grad_summary = None
+        self.pending_scales = []
         if not self.offload_optimizer:
             self._master_grad_buffer = None
 
@@ -246,6 +307,8 @@ def build_units(
         gstore = GRAD_STORES[spec.kind.grads](layout, shard_rank, policy.reduce_dtype, device,
                                               pool, policy.int8_reductions, comms.replicas)
         gstore.use_shard_memory(placement.grad_shard_memory(f"u{index}.grad"))
-        units.append(Unit(index, spec, layout, pstore, gstore, params,
-                          placement.offload_optimizer))
+        unit = Unit(index, spec, layout, pstore, gstore, params, placement.offload_optimizer)
+        if placement.optimizer_disk:
+            unit.reserve_disk()
+        units.append(unit)
     return units

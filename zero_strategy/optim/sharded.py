@@ -101,6 +101,26 @@ def _segments(units: list[Unit], rank: int) -> list[Segment]:
     return out
 
 
+def _state_name(seg: Segment, key: str) -> str:
+    return f"u{seg.unit.index}.p{seg.index}.{seg.start}.{key}"
+
+
+def state_keys(user: torch.optim.Optimizer) -> list[list[str]]:
+    """Per group of ``user``: the parameter-sized state tensors its class creates under the
+    group's hyperparameters (Adam: exp_avg, exp_avg_sq; with amsgrad also max_exp_avg_sq),
+    found by stepping a throwaway one-element parameter once."""
+    out = []
+    for group in user.param_groups:
+        p = torch.zeros(1)
+        hyper = {k: v for k, v in group.items() if k not in IMPLEMENTATION_KEYS}
+        probe = rebuild(type(user), user.defaults, [{**hyper, "params": [p]}])
+        p.grad = torch.zeros_like(p)
+        probe.step()
+        out.append([k for k, v in probe.state.get(p, {}).items()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0])
+    return out
+
+
 class ShardPart:
     """An elementwise optimizer over the pieces of its parameters in this rank's shard."""
 
@@ -129,19 +149,28 @@ class ShardPart:
             self.segments.append(seg)
             self.inner.param_groups[seg.group - self.groups.start]["params"].append(seg.view)
 
-    def step(self, unit: Unit | None = None) -> None:
-        """Step every piece, or only ``unit``'s (the disk tier steps one unit at a time:
-        torch skips a parameter whose grad is None, so the others are left as they are)."""
+    def step(self, unit: Unit | None = None, grad: torch.Tensor | None = None) -> None:
+        """Step every piece, or only ``unit``'s with its gradient ``grad`` (the disk tier
+        steps one unit at a time: torch skips a parameter whose grad is None, so the others
+        are left as they are)."""
         sync_hyperparameters(self.user, self.inner)
         segments = self._of_unit(unit)
         for seg in segments:
             if seg.unit.stepped[seg.index]:
-                seg.view.grad = seg.unit.master_grad[seg.start : seg.end]
+                source = seg.unit.master_grad if grad is None else grad
+                seg.view.grad = source[seg.start : seg.end]
         try:
             self.inner.step()
         finally:
             for seg in segments:
                 seg.view.grad = None
+
+    def reserve_states(self, tier: DiskTier) -> None:
+        """Create the files of every piece's optimizer states before the first step."""
+        keys = state_keys(self.user)
+        for seg in self.segments:
+            for key in keys[seg.group - self.groups.start]:
+                tier.reserve(seg.view.numel(), seg.view.dtype, _state_name(seg, key))
 
     def unit_states(self, unit: Unit) -> list[torch.Tensor]:
         states = [self.inner.state.get(seg.view, {}) for seg in self._of_unit(unit)]
@@ -155,7 +184,7 @@ class ShardPart:
             state = self.inner.state.get(seg.view, {})
             for key, value in list(state.items()):
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and not tier.holds(value):
-                    state[key] = tier.adopt(value, f"u{unit.index}.{seg.index}.{seg.start}.{key}")
+                    state[key] = tier.adopt(value, _state_name(seg, key))
 
     def records(self) -> dict[str, dict[str, Any]]:
         """Records of the parameters whose pieces on this rank have optimizer state."""
@@ -261,11 +290,23 @@ class ShardedOptimizer:
         for k, unit in enumerate(self.units):
             if k + 1 < len(self.units):
                 tier.prefetch(self._step_tensors(self.units[k + 1]))
+            grad = unit.scaled_grad()
             for part in self.parts:
                 assert isinstance(part, ShardPart), "the engine refuses owners with disk"
-                part.step(unit)
+                part.step(unit, grad)
                 part.adopt_states(unit, tier)
-            tier.release(self._step_tensors(unit), dirty=True)
+            unit.drop_scaled(grad)
+            tier.release([unit.master_grad], dirty=False)  # read, not written
+            tier.release([t for t in self._step_tensors(unit) if t is not unit.master_grad],
+                         dirty=True)
+
+    def reserve_states(self) -> None:
+        """Disk tier: create every optimizer state's file now (a full disk is an error when
+        the engine is built, not in the middle of the first step)."""
+        assert self.tier is not None
+        for part in self.parts:
+            if isinstance(part, ShardPart):
+                part.reserve_states(self.tier)
 
     def master_grads(self) -> Iterator[torch.Tensor]:
         """Every unit's reduced gradient shard, in unit order. With the disk tier each is
@@ -281,14 +322,17 @@ class ShardedOptimizer:
                 tier.prefetch([unit.master_grad])
             if k + 1 < len(self.units):
                 tier.prefetch([self.units[k + 1].master_grad])
-            grad = unit.master_grad
+            grad = unit.settled_grad()
             yield grad
             tier.release([grad], dirty=True)
 
     def nonfinite_local(self, device: torch.device) -> torch.Tensor:
         """1.0 where this rank holds an inf/NaN gradient, else 0.0 (fp32 on ``device``)."""
         local = torch.zeros((), dtype=torch.float32, device=device)
-        if self.tier is None:
+        summaries = self._summaries()
+        if summaries is not None:
+            peaks = [peak for _, peak in summaries]
+        elif self.tier is None:
             grads = [g for g in self.master_grads() if g.numel()]
             # One multi-tensor pass: a max-abs is inf/NaN exactly when the shard holds one.
             peaks = torch._foreach_norm(grads, float("inf")) if grads else []
@@ -299,14 +343,34 @@ class ShardedOptimizer:
             local += (~torch.isfinite(torch.stack(peaks))).any().to(device, torch.float32)
         return local
 
+    def _summaries(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Disk tier: every non-empty unit's gradient summary, when all are current."""
+        if self.tier is None:
+            return None
+        out = []
+        for unit in self.units:
+            if unit.pending_scales or (unit.grad_summary is None and unit.layout.shard_numel):
+                return None
+            if unit.grad_summary is not None:
+                out.append(unit.grad_summary)
+        return out
+
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """Norm of the whole (reduced) gradient, from the shards every rank holds; on the
         communication device (offloaded shards are summed on the host, then moved)."""
+        summaries = self._summaries()
+        if summaries is not None and float(norm_type) == 2.0:
+            return norm_of_parts((sq for sq, _ in summaries), 2.0, self.comm, self.shards > 1)
         return global_norm(self.master_grads(), float(norm_type), self.comm, self.shards > 1)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         total = self.grad_norm(norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if self.tier is not None:  # multiplied in when each gradient is next read
+            for unit in self.units:
+                unit.pending_scales.append(coef)
+                unit.grad_summary = None
+            return total
         on: dict[torch.device, torch.Tensor] = {}  # one copy per device, not one per unit
         for g in self.master_grads():
             if g.device not in on:
@@ -345,7 +409,6 @@ def global_norm(grads: Iterable[torch.Tensor], norm_type: float, comm: Communica
                 sharded: bool) -> torch.Tensor:
     """The ``norm_type`` norm over every rank's ``grads`` (disjoint shards when ``sharded``),
     as an fp32 scalar on ``comm.device``; ``grads`` is read once, in order."""
-    local: torch.Tensor | None = None
     if math.isinf(norm_type):
         peaks = [g.abs().max().float() for g in grads if g.numel()]
         local = torch.stack(peaks).max() if peaks else torch.zeros((), device=comm.device)
@@ -353,12 +416,20 @@ def global_norm(grads: Iterable[torch.Tensor], norm_type: float, comm: Communica
         if sharded:
             comm.all_reduce_max(local)
         return local
-    for g in grads:
-        if not g.numel():
-            continue
+    parts = (torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type
+             for g in grads if g.numel())
+    return norm_of_parts(parts, norm_type, comm, sharded)
+
+
+def norm_of_parts(parts: Iterable[torch.Tensor], norm_type: float, comm: Communicator,
+                  sharded: bool) -> torch.Tensor:
+    """The global ``norm_type`` norm from each shard's ``norm ** norm_type``, summed in order
+    in fp32 (so a summary taken earlier gives the bits the full pass gives)."""
+    local: torch.Tensor | None = None
+    for part in parts:
         if local is None:
-            local = torch.zeros((), dtype=torch.float32, device=g.device)
-        local += torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type
+            local = torch.zeros((), dtype=torch.float32, device=part.device)
+        local += part
     if local is None:
         local = torch.zeros((), dtype=torch.float32, device=comm.device)
     local = local.to(comm.device)
