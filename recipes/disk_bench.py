@@ -31,6 +31,47 @@ from pathlib import Path
 REGIME = dict(n_layer=12, n_embd=1024, n_head=16, vocab=16384, seq=32)
 
 
+def _resident(tier_dir: str | None = None) -> int:
+    """Bytes of this process in memory that training can add: anonymous pages, and the pages
+    of the disk tier's files mapped (the page cache it does not map is the kernel's to
+    reclaim; shared libraries are left out, their pages come and go under a cgroup)."""
+    anon = 0
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon"):
+            anon = int(line.split()[1]) * 1024
+    if tier_dir is None:
+        return anon
+    mapped, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if not line[:1].isupper():  # a mapping's header: address range, ..., path
+            inside = tier_dir in line
+        elif inside and line.startswith("Rss:"):
+            mapped += int(line.split()[1]) * 1024
+    return anon + mapped
+
+
+class _Peak:
+    """The largest ``_resident()`` seen by a sampling thread while running."""
+
+    def __init__(self, tier_dir: str | None) -> None:
+        import threading
+
+        self.tier_dir = tier_dir
+        self.peak, self.running = 0, True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def _sample(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, _resident(self.tier_dir))
+            time.sleep(0.02)
+
+    def stop(self) -> int:
+        self.running = False
+        self.thread.join()
+        return self.peak
+
+
 def _io() -> tuple[int, int]:
     fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
     return int(fields["read_bytes"]), int(fields["write_bytes"])
@@ -56,12 +97,14 @@ def train(tier: str, steps: int, offload_dir: str | None, layers: int) -> dict:
                                   weight_decay=0.1, eps=1e-8)
     zero = zs.ZeroConfig(stage=3, offload_optimizer=tier, offload_params=tier,
                          offload_dir=offload_dir if tier == "disk" else None)
+    baseline = _resident()  # torch, transformers and the empty (meta) model
     built = time.perf_counter()
     engine = zs.ZeroEngine(model, optimizer, zero, param_init_fn=model._init_weights)
     build_s = time.perf_counter() - built
     g = torch.Generator().manual_seed(7)
     batches = torch.randint(0, REGIME["vocab"], (steps, 1, REGIME["seq"]), generator=g)
     losses, times, reads, writes = [], [], [], []
+    sampler = _Peak(engine.tier.path if engine.tier is not None else None)
     for batch in batches:
         r0, w0 = _io()
         start = time.perf_counter()
@@ -76,12 +119,14 @@ def train(tier: str, steps: int, offload_dir: str | None, layers: int) -> dict:
         reads.append(r1 - r0)
         writes.append(w1 - w0)
         losses.append(loss.item())
+    peak = sampler.stop()
     report = engine.memory_report()
     engine.close()
     dist.destroy_process_group()
     return {"tier": tier, "params": sum(p.numel() for p in model.parameters()),
             "losses": losses, "step_s": times, "read_bytes": reads, "write_bytes": writes,
-            "build_s": build_s, "memory_report": report}
+            "build_s": build_s, "baseline_resident": baseline, "peak_resident": peak,
+            "memory_report": report}
 
 
 def bandwidth(directory: str, nbytes: int = 1 << 30, chunk: int = 16 << 20) -> dict:

@@ -513,7 +513,10 @@ class ZeroEngine:
         pages are read on use and reclaimable, like a checkpoint loaded with ``mmap=True``."""
         if self.tier is None:
             return value.to(dtype, copy=True)
-        out = self.tier.empty(value.numel(), dtype, f"closed.{name}").view(value.shape)
+        try:
+            out = self.tier.empty(value.numel(), dtype, f"closed.{name}").view(value.shape)
+        except DiskFullError:  # the weights must come back: in memory, then
+            return value.to(dtype, copy=True)
         out.copy_(value)
         self.tier.release([out], dirty=True)
         return out
@@ -631,7 +634,8 @@ class ZeroEngine:
             reduce_dtype=self.config.reduce_dtype, offload_optimizer=self.config.offload_optimizer,
             offload_params=self.config.offload_params,
             host_is_device=not self.transfers.host_is_separate,
-            largest_unit_numel=max((u.layout.shard_numel for u in self.units), default=0),
+            largest_unit_numels=tuple(sorted((u.layout.shard_numel for u in self.units),
+                                             reverse=True)[:2]),
             placed_params=sum(p.placed_numel() for p in owner_parts),
             owned_params=sum(p.owned_numel() for p in owner_parts),
             placed_states=max((p.states_per_param() for p in owner_parts), default=0),

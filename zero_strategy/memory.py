@@ -20,6 +20,7 @@ import torch
 
 from .config import ZeroConfig
 from .core.precision import make_policy
+from .offload.disk import WRITES_IN_FLIGHT
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -43,9 +44,13 @@ class MemoryEstimate:
     disk_bytes: int = 0
     """Model states resting in the disk tier's files (not resident)."""
     window_bytes: int = 0
-    """Disk tier: what streaming holds in memory at once, from ``largest_unit_numel``: the
-    step's unit and the one read ahead (master, states, gradient each), and the forward's
-    gathered unit, its prefetched neighbour and the local gradient of one unit."""
+    """Disk tier: what streaming holds in memory at once, from the two largest units (u1,
+    u2): in the step, one unit's master, states and gradient, the next one's read ahead and
+    up to ``WRITES_IN_FLIGHT`` stepped units waiting for write-back,
+    ``(u1 + (1 + WRITES_IN_FLIGHT) * u2) * (m + k + g)``; beside it the buffers backward
+    used, which the pool keeps for the next step: the gathered first unit and its gradient,
+    ``u1 * (p + g)``, and two more units in flight, gathered and reduced, ``2 * u2 * (p +
+    g)``."""
 
     @property
     def resident_bytes(self) -> int:
@@ -69,7 +74,7 @@ def estimate_memory(
     optimizer_states: int = 2, reduce_dtype: str = "fp32", offload_optimizer: bool | str = False,
     offload_params: bool | str = False, placed_params: int = 0, owned_params: int = 0,
     placed_states: int = 0, elementwise_here: int | None = None, host_is_device: bool = False,
-    largest_unit_numel: int = 0,
+    largest_unit_numels: tuple[int, ...] = (),
 ) -> MemoryEstimate:
     """Model-state bytes one rank holds under the ZeRO formula (``optimizer_states``: state
     tensors per parameter, 2 for Adam). Offloaded parts count as host bytes.
@@ -82,7 +87,7 @@ def estimate_memory(
     offloading moves nothing (no separate fp32 master, no host bytes apart from the device's).
     ``offload_optimizer="disk"`` puts the optimizer bytes (and the reduced gradients where the
     host is the device) in ``disk_bytes``, ``offload_params="disk"`` the parameter shards;
-    ``largest_unit_numel`` (the engine's largest unit) sizes ``window_bytes``."""
+    ``largest_unit_numels`` (the engine's units' shard sizes) size ``window_bytes``."""
     if not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params must be an int >= 0, got {num_params!r}")
     if not isinstance(world_size, int) or world_size < 1:
@@ -126,8 +131,9 @@ def estimate_memory(
     params_resident = 0 if params_disk else params
     window = 0
     if optimizer_disk:
-        unit = largest_unit_numel
-        window = 2 * unit * (state * (1 + optimizer_states) + g) + unit * (2 * p + g)
+        u1, u2 = ([*sorted(largest_unit_numels, reverse=True), 0, 0])[:2]
+        stepping = u1 + (1 + WRITES_IN_FLIGHT) * u2
+        window = stepping * (state * (1 + optimizer_states) + g) + (u1 + 2 * u2) * (p + g)
     resident = params_resident + (0 if disk_grads else grads) + (0 if optimizer_disk else optim)
     return MemoryEstimate(
         num_params=num_params, stage=stage, world_size=n, precision=precision,
