@@ -32,9 +32,9 @@ def _status_mib(field: str) -> float:
 
 def strategy_label(strategy: Any) -> tuple[str, int | None]:
     """(name, ZeRO stage) of the strategy object that trained: ``ddp``; an anchor's preset
-    name (``fsdp``, ``deepspeed_stage_3``); or ``zero<stage>`` with ``_offload`` when
-    everything that stage can offload is offloaded (the presets' names), else the offloaded
-    part named (``zero3_offload_optimizer``)."""
+    name (``fsdp``, ``deepspeed_stage_3``); or ``zero<stage>`` with ``_offload`` (CPU) or
+    ``_disk`` when everything that stage can offload rests there (the presets' names), else
+    each offloaded part named (``zero3_offload_optimizer``)."""
     anchor = anchor_label(strategy)
     if anchor is not None:
         return anchor
@@ -43,11 +43,14 @@ def strategy_label(strategy: Any) -> tuple[str, int | None]:
         from lightning.pytorch.strategies import DDPStrategy
 
         return ("ddp" if type(strategy) is DDPStrategy else type(strategy).__name__), None
-    offloaded = [part for part, on in (("optimizer", config.offload_optimizer),
-                                       ("params", config.offload_params)) if on]
+    tiers = {"optimizer": config.optimizer_tier, "params": config.params_tier}
     full = ["optimizer", "params"] if config.stage == 3 else ["optimizer"]
-    suffix = ("_offload" if offloaded == full
-              else "".join(f"_offload_{part}" for part in offloaded))
+    for tier, word in (("disk", "disk"), ("cpu", "offload")):
+        on = [part for part in full if tiers[part] == tier]
+        if on == full:
+            return f"zero{config.stage}_{word}", int(config.stage)
+    suffix = "".join(f"_{'disk' if tiers[part] == 'disk' else 'offload'}_{part}"
+                     for part in full if tiers[part] != "device")
     return f"zero{config.stage}{suffix}", int(config.stage)
 
 

@@ -61,8 +61,9 @@ class DataConf:
 ZERO_OPTIONS = (
     "reduce_dtype", "bucket_numel", "unit_numel", "param_persistence_threshold", "prefetch",
     "unit_leaf_classes", "check_gather_order", "overlap_param_gather", "offload_optimizer",
-    "offload_params", "broadcast_buffers", "nonfinite_grads", "elementwise_optimizer",
-    "shard_group_size", "quantize_weights", "quantize_gradients", "loss_scale", "timeout",
+    "offload_params", "offload_dir", "broadcast_buffers", "nonfinite_grads",
+    "elementwise_optimizer", "shard_group_size", "quantize_weights", "quantize_gradients",
+    "loss_scale", "timeout",
 )
 """ZeroConfig's fields a recipe may set under ``strategy.zero`` (stage and precision have keys
 of their own). Listed here, not imported, so composing needs no torch; a test keeps the list
@@ -98,7 +99,7 @@ class StrategyImpl(_Choice):
 class StrategyConf:
     name: str = "zero3"
     """The preset's name (conf/strategy/<name>.yaml): ddp, zero1, zero2, zero3, zero2_offload,
-    zero3_offload, and the anchors fsdp, deepspeed_stage_1/2/3, deepspeed_stage_2/3_offload."""
+    zero3_offload, zero2_disk, zero3_disk, and the anchors fsdp, deepspeed_stage_1/2/3, deepspeed_stage_2/3_offload."""
     impl: StrategyImpl = StrategyImpl.zero
     """zero: zero_strategy's ZeroStrategy; ddp, fsdp, deepspeed: Lightning's DDPStrategy,
     FSDPStrategy, DeepSpeedStrategy (the anchors every comparison is read against)."""

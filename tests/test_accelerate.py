@@ -34,6 +34,7 @@ VARIANTS = {
     "zero2": ("zero2.yaml", ["--zero-opt", "bucket_numel=1000"]),
     "zero3": ("zero3.yaml", SMALL_UNITS),
     "zero3_offload": ("zero3_offload.yaml", SMALL_UNITS),
+    "zero3_disk": ("zero3_disk.yaml", SMALL_UNITS),
 }
 # The recipe's 2-layer GPT-2 (dropout 0.1) on a shuffled loader, one batch per step.
 GPT2_STEPS, GPT2_SAVE_AT = 12, 6

@@ -70,7 +70,9 @@ def test_strategies_map_onto_zero_config() -> None:
         # every preset is a valid engine config
         cfg = zs.ZeroConfig(stage=s.stage, **schema.zero_options(s.zero))
         assert s.name.startswith(f"zero{cfg.stage}")
-        assert cfg.offload_optimizer == s.name.endswith("offload")
+        tier = {"offload": "cpu", "disk": "disk"}.get(s.name.rsplit("_", 1)[-1], "device")
+        assert cfg.optimizer_tier == tier
+        assert cfg.params_tier == (tier if cfg.stage == 3 else "device")
 
 
 def test_optuna_search_composes() -> None:
@@ -147,6 +149,10 @@ def test_report_columns_are_read_from_the_run() -> None:
         "zero3_offload_optimizer", 3)
     assert metrics.strategy_label(ZeroStrategy(stage=3, offload_optimizer=True,
                                                offload_params=True)) == ("zero3_offload", 3)
+    assert metrics.strategy_label(ZeroStrategy(stage=3, offload_optimizer="disk",
+                                               offload_params="disk")) == ("zero3_disk", 3)
+    assert metrics.strategy_label(ZeroStrategy(stage=3, offload_optimizer="disk")) == (
+        "zero3_disk_optimizer", 3)
     params = [torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2))]
     combined = zs.CombinedOptimizer([torch.optim.SGD(params[:1]), torch.optim.AdamW(params[1:])])
     engine = SimpleNamespace(plan=SimpleNamespace(policy=SimpleNamespace(name="bf16-true")),
@@ -445,3 +451,23 @@ def test_resume_from_names_the_option_when_it_is_no_checkpoint(tmp_path: Path) -
     run = _run("strategy=zero3", *FAST, f"trainer.resume_from={tmp_path}", cwd=tmp_path)
     assert run.returncode != 0
     assert f"trainer.resume_from='{tmp_path}'" in run.stdout + run.stderr
+
+
+def test_zero3_disk_job_continues_the_zero3_job(sweep: tuple[Path, subprocess.CompletedProcess],
+                                              tmp_path: Path) -> None:
+    """``strategy=zero3_disk`` with ``strategy.zero.offload_dir``: the sweep's zero3 job's
+    step-4 checkpoint loads into the disk tier, which trains to step 6 with the zero3 job's
+    own losses, bit for bit (the same arithmetic; only where the states rest differs), and
+    leaves nothing in offload_dir."""
+    sweep_dir, _ = sweep
+    zero3_job = next(p.parent for p in sweep_dir.glob("*/metrics.json")
+                     if json.loads(p.read_text())["strategy"] == "zero3")
+    source, offload, job = zero3_job / "checkpoints" / "at-step-4", tmp_path / "ssd", tmp_path / "j"
+    run = _run("strategy=zero3_disk", f"strategy.zero.offload_dir={offload}", *FAST,
+               f"trainer.resume_from='{source}'", f"hydra.run.dir={job}", cwd=tmp_path)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    zero3 = json.loads((zero3_job / "metrics.json").read_text())
+    ours = json.loads((job / "metrics.json").read_text())
+    assert ours["strategy"] == "zero3_disk" and ours["steps"] == zero3["steps"] == 6
+    assert ours["train_loss"] == zero3["train_loss"] and ours["val_loss"] == zero3["val_loss"]
+    assert not [p for p in offload.iterdir() if p.is_dir()], "each rank removes its files"

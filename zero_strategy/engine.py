@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import multiprocessing.util
 import os
 import warnings
 import weakref
@@ -163,7 +164,10 @@ class ZeroEngine:
             problem = e
         self._agree_on_disk(problem, tier)
         assert tier is not None
-        weakref.finalize(self, tier.close)  # an engine never closed still removes its files
+        # An engine never closed still removes its directory: when collected, at interpreter
+        # exit, and at the exit of a forked worker (multiprocessing skips atexit there).
+        weakref.finalize(self, tier.close)
+        multiprocessing.util.Finalize(self, tier.close, exitpriority=10)
         return tier
 
     def _agree_on_disk(self, problem: BaseException | None, tier: DiskTier | None) -> None:

@@ -1,6 +1,6 @@
 """What the Lightning, Fabric and Accelerate adapters share, none of it tied to one framework.
 
-The ZeRO presets (``zero1`` ... ``zero3_offload``), building a ``ZeroConfig`` from a
+The ZeRO presets (``zero1`` ... ``zero3_offload``, ``zero2_disk``, ``zero3_disk``), building a ``ZeroConfig`` from a
 strategy's keyword arguments and merging the framework's precision flag into it, the module
 wrapper the frameworks call, and saving and loading the engine's checkpoint with the
 framework's own state beside it. No sharding logic lives in any adapter: everything that
@@ -33,6 +33,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "zero3": {"stage": 3},
     "zero2_offload": {"stage": 2, "offload_optimizer": True},
     "zero3_offload": {"stage": 3, "offload_optimizer": True, "offload_params": True},
+    "zero2_disk": {"stage": 2, "offload_optimizer": "disk"},
+    "zero3_disk": {"stage": 3, "offload_optimizer": "disk", "offload_params": "disk"},
 }
 PRESET_DESCRIPTIONS: dict[str, str] = {
     "zero1": "ZeRO stage 1 (optimizer states sharded)",
@@ -40,6 +42,9 @@ PRESET_DESCRIPTIONS: dict[str, str] = {
     "zero3": "ZeRO stage 3 (optimizer states, gradients and parameters sharded)",
     "zero2_offload": "ZeRO stage 2, optimizer shard and its states in CPU memory",
     "zero3_offload": "ZeRO stage 3, optimizer and parameter shards in CPU memory",
+    "zero2_disk": "ZeRO stage 2, optimizer shard, its states and gradients in files "
+                  "(offload_dir)",
+    "zero3_disk": "ZeRO stage 3, optimizer, gradient and parameter shards in files (offload_dir)",
 }
 CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(ZeroConfig))
 CLIENT_KEY = "zero_strategy.framework_state"

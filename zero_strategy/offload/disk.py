@@ -18,9 +18,10 @@ exhaust, no compiled op and no libaio. Under a memory limit (a cgroup) the kerne
 reclaims clean pages by itself, so a burst beyond what the engine released slows down rather
 than fails.
 
-Nothing on disk is ever trusted again: each engine gets a fresh ``rank<r>`` directory, locked
-(``flock``) while the engine lives; a directory whose lock nobody holds was left by a killed
-process and is deleted before use. Every file's blocks are reserved when it is created
+Nothing on disk is ever trusted again, and nothing is left there: each file is unlinked as
+soon as it is mapped (its blocks return to the filesystem when the process ends, even by
+SIGKILL), inside a ``rank<r>`` directory locked (``flock``) while the engine lives; a
+directory whose lock nobody holds was left by a killed process and is emptied before use. Every file's blocks are reserved when it is created
 (``posix_fallocate``), so a full disk is an error at construction or when the first step
 creates optimizer state, naming the file and the bytes, never a ``SIGBUS`` on a page write
 mid-step.
@@ -178,6 +179,9 @@ class DiskTier:
                 f"{self.rank} ({e.strerror}; {stat.f_bavail * stat.f_frsize} bytes free); "
                 "nothing was changed") from e
         tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+        # Mapped and open, the file needs no name: unlinked now, its blocks go back to the
+        # filesystem when the process ends, however it ends (a SIGKILL included).
+        os.unlink(path)
         address = tensor.untyped_storage().data_ptr()
         with self._guard:
             self._files[address] = _Mapped(path, fd, address, nbytes, tensor)
