@@ -99,7 +99,8 @@ class StrategyImpl(_Choice):
 class StrategyConf:
     name: str = "zero3"
     """The preset's name (conf/strategy/<name>.yaml): ddp, zero1, zero2, zero3, zero2_offload,
-    zero3_offload, zero2_disk, zero3_disk, and the anchors fsdp, deepspeed_stage_1/2/3, deepspeed_stage_2/3_offload."""
+    zero3_offload, zero2_disk, zero3_disk, and the anchors fsdp, deepspeed_stage_1/2/3,
+    deepspeed_stage_2/3_offload."""
     impl: StrategyImpl = StrategyImpl.zero
     """zero: zero_strategy's ZeroStrategy; ddp, fsdp, deepspeed: Lightning's DDPStrategy,
     FSDPStrategy, DeepSpeedStrategy (the anchors every comparison is read against)."""

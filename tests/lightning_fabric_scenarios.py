@@ -22,7 +22,7 @@ from tests import several_optimizers as so
 from tests.hostile import forge_framework_state, forge_traversal
 from tests.models import MLP
 from zero_strategy.fabric import ZeroFabricStrategy
-from zero_strategy.integrations.shared import CLIENT_KEY
+from zero_strategy.integrations.shared import CLIENT_KEY, PRESETS
 
 K = 3
 ACCUM = 2
@@ -230,7 +230,7 @@ def fabric_suite(results: Any, out_dir: Path) -> None:
         return result
 
     results.run("fabric_ddp", reference)
-    for name in ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_units"):
+    for name in (*PRESETS, "zero3_units"):
         def scenario(name: str = name) -> dict[str, Any]:
             result = run(name, out_dir, ref["weights"])
             result.pop("weights")

@@ -76,7 +76,8 @@ def parity(stage: int, kind: str = "gpt2", micro: int = 1, **extra) -> dict:
     module = disk.close()
     closed_equal = all(torch.equal(module.state_dict()[k], sa[k]) for k in sa)
     return {"losses_equal": a == b, "weights_equal": all(torch.equal(sa[k], sb[k]) for k in sa),
-            "norms": [norm_host, norm_disk], "files": files, "listed": listed, "disk_bytes": report["disk_bytes"],
+            "norms": [norm_host, norm_disk], "files": files, "listed": listed,
+            "disk_bytes": report["disk_bytes"],
             "predicted_disk_bytes": report["predicted_disk_bytes"],
             "closed_equal": closed_equal, "left_after_close": mine.exists()}
 
@@ -110,7 +111,8 @@ def delayed(stage: int) -> dict:
     sa, sb = host.full_state_dict(), disk.full_state_dict()
     disk.close()
     return {"equal": a == b and all(torch.equal(sa[k], sb[k]) for k in sa),
-            "copies": made[1].issued, "races": made[1].check()}
+            "copies": made[1].issued, "races": made[1].check(),
+            "host_buffers": [len(m.host_storages) for m in made]}
 
 
 def checkpoints(stage: int) -> dict:

@@ -1,10 +1,10 @@
 """What the Lightning, Fabric and Accelerate adapters share, none of it tied to one framework.
 
-The ZeRO presets (``zero1`` ... ``zero3_offload``, ``zero2_disk``, ``zero3_disk``), building a ``ZeroConfig`` from a
-strategy's keyword arguments and merging the framework's precision flag into it, the module
-wrapper the frameworks call, and saving and loading the engine's checkpoint with the
-framework's own state beside it. No sharding logic lives in any adapter: everything that
-touches parameters goes through the engine.
+The ZeRO presets (``zero1`` ... ``zero3_offload``, ``zero2_disk``, ``zero3_disk``), building a
+``ZeroConfig`` from a strategy's keyword arguments and merging the framework's precision flag
+into it, the module wrapper the frameworks call, and saving and loading the engine's
+checkpoint with the framework's own state beside it. No sharding logic lives in any adapter:
+everything that touches parameters goes through the engine.
 """
 
 from __future__ import annotations

@@ -21,10 +21,11 @@ than fails.
 Nothing on disk is ever trusted again, and nothing is left there: each file is unlinked as
 soon as it is mapped (its blocks return to the filesystem when the process ends, even by
 SIGKILL), inside a ``rank<r>`` directory locked (``flock``) while the engine lives; a
-directory whose lock nobody holds was left by a killed process and is emptied before use. Every file's blocks are reserved when it is created
-(``posix_fallocate``), so a full disk is an error at construction or when the first step
-creates optimizer state, naming the file and the bytes, never a ``SIGBUS`` on a page write
-mid-step.
+directory whose lock nobody holds was left by a killed process and is emptied before use.
+Every file's blocks are reserved when it is created (``posix_fallocate``), optimizer states'
+included (the engine creates those files before the first step), so a full disk is an error
+when the engine is built, naming the directory and both numbers, never a ``SIGBUS`` on a page
+write mid-step.
 """
 
 from __future__ import annotations
