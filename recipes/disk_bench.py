@@ -77,7 +77,7 @@ def _io() -> tuple[int, int]:
     return int(fields["read_bytes"]), int(fields["write_bytes"])
 
 
-def train(tier: str, steps: int, offload_dir: str | None, layers: int) -> dict:
+def train(tier: str, steps: int, offload_dir: str | None, layers: int, width: int) -> dict:
     import torch
     import torch.distributed as dist
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -87,7 +87,7 @@ def train(tier: str, steps: int, offload_dir: str | None, layers: int) -> dict:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     dist.init_process_group("gloo", rank=0, world_size=1)
-    config = GPT2Config(n_layer=layers, n_embd=REGIME["n_embd"], n_head=REGIME["n_head"],
+    config = GPT2Config(n_layer=layers, n_embd=width, n_head=REGIME["n_head"],
                         vocab_size=REGIME["vocab"], n_positions=REGIME["seq"], resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
     torch.manual_seed(1234)
@@ -155,7 +155,7 @@ def bandwidth(directory: str, nbytes: int = 1 << 30, chunk: int = 16 << 20) -> d
 def _child(tier: str, args: argparse.Namespace) -> dict:
     out = Path(tempfile.mkdtemp()) / f"{tier}.json"
     cmd = [sys.executable, __file__, "--tier", tier, "--steps", str(args.steps),
-           "--layers", str(args.layers), "--json", str(out)]
+           "--layers", str(args.layers), "--width", str(args.width), "--json", str(out)]
     if args.offload_dir:
         cmd += ["--offload-dir", args.offload_dir]
     subprocess.run(cmd, check=True)
@@ -183,12 +183,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1, help="untimed first steps")
     parser.add_argument("--layers", type=int, default=REGIME["n_layer"])
+    parser.add_argument("--width", type=int, default=REGIME["n_embd"], help="n_embd")
     parser.add_argument("--tier", choices=["cpu", "disk"], default=None,
                         help="run one side only, in this process")
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args()
     if args.tier is not None:
-        result = train(args.tier, args.steps, args.offload_dir, args.layers)
+        result = train(args.tier, args.steps, args.offload_dir, args.layers, args.width)
     else:
         cpu, disk = _child("cpu", args), _child("disk", args)
         bw = bandwidth(args.offload_dir or tempfile.gettempdir())

@@ -49,6 +49,8 @@ WRITES_IN_FLIGHT = 3
 _MS_SYNC = 4
 _MADV_WILLNEED = 3
 _MADV_DONTNEED = 4
+_MADV_POPULATE_READ = 22  # Linux 5.14+: fault the range in now (EINVAL before: skipped)
+_MADV_POPULATE_WRITE = 23
 
 _libc = ctypes.CDLL(None, use_errno=True)  # ctypes drops the GIL around these calls
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -238,16 +240,21 @@ class DiskTier:
         return out
 
     # ------------------------------------------------------------------ streaming
-    def prefetch(self, tensors: list[torch.Tensor]) -> None:
-        """Start reading ``tensors``' files into memory (returns at once)."""
+    def prefetch(self, tensors: list[torch.Tensor], write: bool = False) -> None:
+        """Start reading ``tensors``' files into memory and mapping their pages (writable
+        when ``write``: the caller is about to update them), on the background reader, so
+        the compute thread takes no page faults on them; returns at once."""
         ranges = self._ranges(tensors)
         if ranges:
-            self._submit(self._readers, _will_need, ranges)
+            self._submit(self._readers, _will_need, ranges, write)
 
     def release(self, tensors: list[torch.Tensor], dirty: bool = True) -> None:
         """Write ``tensors``' pages back (when ``dirty``) and drop them from memory, in the
         background. Their values stay readable: a later read faults them back in."""
         ranges = self._ranges(tensors)
+        if ranges and not dirty:  # nothing to write: dropped now, behind no write-back
+            _write_back_and_drop(ranges, dirty=False)
+            return
         if ranges:
             self._submit(self._writers, _write_back_and_drop, ranges, dirty)
         # Compute may not run further ahead of the disk than a few units: pages waiting for
@@ -301,9 +308,13 @@ class DiskTier:
                     pass
 
 
-def _will_need(ranges: list[_Mapped]) -> None:
-    for m in ranges:
+def _will_need(ranges: list[_Mapped], write: bool) -> None:
+    for m in ranges:  # all reads queued first, so the disk sees them back to back
         _call(_libc.madvise, m.address, _round_up(m.nbytes), _MADV_WILLNEED)
+    populate = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
+    for m in ranges:
+        # Where the kernel lacks it (EINVAL), the compute thread takes the faults instead.
+        _libc.madvise(m.address, _round_up(m.nbytes), populate)
 
 
 def _write_back_and_drop(ranges: list[_Mapped], dirty: bool) -> None:

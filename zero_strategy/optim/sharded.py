@@ -285,11 +285,16 @@ class ShardedOptimizer:
     def _step_streamed(self, tier: DiskTier) -> None:
         """One unit at a time: the next unit's files are read ahead while this one steps,
         and each unit's pages are written back and dropped once it has stepped."""
+        def read_ahead(unit: Unit) -> None:
+            grad = unit.master_grad
+            tier.prefetch([grad])
+            tier.prefetch([t for t in self._step_tensors(unit) if t is not grad], write=True)
+
         if self.units:
-            tier.prefetch(self._step_tensors(self.units[0]))
+            read_ahead(self.units[0])
         for k, unit in enumerate(self.units):
             if k + 1 < len(self.units):
-                tier.prefetch(self._step_tensors(self.units[k + 1]))
+                read_ahead(self.units[k + 1])
             grad = unit.scaled_grad()
             for part in self.parts:
                 assert isinstance(part, ShardPart), "the engine refuses owners with disk"
