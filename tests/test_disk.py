@@ -66,3 +66,10 @@ def test_full_disk(world: dict) -> None:
     assert "another rank" in results[1]["small"], results[1]["small"]
     for r in results:
         assert r["equal_when_full"] and r["closed_equal"]
+
+
+def test_a_users_optimizer_the_probe_cannot_step(world: dict) -> None:
+    """Its states are adopted into files when the first step creates them."""
+    for r in check(world["custom_optimizer"]):
+        assert r["cpu"] == r["disk"]
+        assert r["disk_in_files"]

@@ -35,7 +35,7 @@ from .offload.transfers import Transfers
 from .optim.combined import CombinedOptimizer
 from .optim.combined import parts as optimizer_parts
 from .optim.owner import OwnerPart
-from .optim.sharded import ShardedOptimizer, placement, state_keys
+from .optim.sharded import ShardedOptimizer, placement, states_to_reserve
 from .optim.state import UserOptimizerPatch, full_state_dict, load_full_state_dict
 
 
@@ -186,8 +186,8 @@ class ZeroEngine:
     def _disk_bytes(self, optimizer: torch.optim.Optimizer) -> tuple[int, str]:
         policy = self.plan.policy
         shard = -(-self.num_params // self.plan.optimizer_shards)
-        states = max((len(keys) for part in optimizer_parts(optimizer)
-                      for keys in state_keys(part)), default=0)
+        states = max((states_to_reserve(part) for part in optimizer_parts(optimizer)),
+                     default=0)
         master = policy.master_dtype.itemsize
         total = shard * master * (1 + states)
         what = f"fp32 masters and {states} optimizer state(s) per parameter"

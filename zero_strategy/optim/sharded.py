@@ -105,20 +105,32 @@ def _state_name(seg: Segment, key: str) -> str:
     return f"u{seg.unit.index}.p{seg.index}.{seg.start}.{key}"
 
 
-def state_keys(user: torch.optim.Optimizer) -> list[list[str]]:
+def state_keys(user: torch.optim.Optimizer) -> list[list[str] | None]:
     """Per group of ``user``: the parameter-sized state tensors its class creates under the
     group's hyperparameters (Adam: exp_avg, exp_avg_sq; with amsgrad also max_exp_avg_sq),
-    found by stepping a throwaway one-element parameter once."""
-    out = []
+    found by stepping a throwaway one-element parameter once; None for a group whose class
+    cannot step that way (a user's optimizer that needs a closure, say)."""
+    out: list[list[str] | None] = []
     for group in user.param_groups:
         p = torch.zeros(1)
         hyper = {k: v for k, v in group.items() if k not in IMPLEMENTATION_KEYS}
-        probe = rebuild(type(user), user.defaults, [{**hyper, "params": [p]}])
-        p.grad = torch.zeros_like(p)
-        probe.step()
+        try:
+            probe = rebuild(type(user), user.defaults, [{**hyper, "params": [p]}])
+            p.grad = torch.zeros_like(p)
+            probe.step()
+        except Exception:  # any failure of the user's class: its states are found later
+            out.append(None)
+            continue
         out.append([k for k, v in probe.state.get(p, {}).items()
                     if isinstance(v, torch.Tensor) and v.dim() > 0])
     return out
+
+
+def states_to_reserve(user: torch.optim.Optimizer) -> int:
+    """Parameter-sized states per parameter the disk tier reserves room for: what the probe
+    found, else the count known for the class (``known_states``)."""
+    found = state_keys(user)
+    return max((len(k) if k is not None else known_states(user) for k in found), default=0)
 
 
 class ShardPart:
@@ -168,8 +180,8 @@ class ShardPart:
     def reserve_states(self, tier: DiskTier) -> None:
         """Create the files of every piece's optimizer states before the first step."""
         keys = state_keys(self.user)
-        for seg in self.segments:
-            for key in keys[seg.group - self.groups.start]:
+        for seg in self.segments:  # unknown keys (None): files made when torch creates them
+            for key in keys[seg.group - self.groups.start] or []:
                 tier.reserve(seg.view.numel(), seg.view.dtype, _state_name(seg, key))
 
     def unit_states(self, unit: Unit) -> list[torch.Tensor]:
