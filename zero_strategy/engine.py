@@ -108,13 +108,7 @@ class ZeroEngine:
             optimizer, self.units, self.shards, self.plan.optimizer_shards,
             self.config.elementwise_optimizer, exchange_numel=self.plan.bucket_numel,
             tier=self.tier)
-        if self.tier is not None:
-            problem = None
-            try:
-                self.optimizer.reserve_states()
-            except OSError as e:
-                problem = e
-            self._agree_on_disk(problem, self.tier)
+        self._reserve_disk_states()
         self.runtime = Runtime(self.units, self.shards, model, self.plan.prefetch,
                                self.plan.check_gather_order, world=self.comm)
         self.hooks = HookSet()
@@ -169,6 +163,17 @@ class ZeroEngine:
         weakref.finalize(self, tier.close)
         multiprocessing.util.Finalize(self, tier.close, exitpriority=10)
         return tier
+
+    def _reserve_disk_states(self) -> None:
+        """Disk tier: every optimizer state's file created now, agreed across ranks."""
+        if self.tier is None:
+            return
+        problem = None
+        try:
+            self.optimizer.reserve_states()
+        except OSError as e:
+            problem = e
+        self._agree_on_disk(problem, self.tier)
 
     def _agree_on_disk(self, problem: BaseException | None, tier: DiskTier | None) -> None:
         """Every rank raises when one cannot use its offload_dir (the others would wait for

@@ -139,10 +139,14 @@ class Unit:
         if not self.pending_scales:
             return grad
         out = self.param_store.placement.pool.take(grad.numel(), grad.dtype)
-        out.copy_(grad)
+        return self._scale(out.copy_(grad))
+
+    def _scale(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` times each pending clipping coefficient, in order (the multiplications
+        clipping in place would have made)."""
         for coef in self.pending_scales:
-            out.mul_(coef.to(out.device).to(out.dtype))
-        return out
+            grad.mul_(coef.to(grad.device).to(grad.dtype))
+        return grad
 
     def drop_scaled(self, scaled: torch.Tensor) -> None:
         if scaled is not self._master_grad:
@@ -151,9 +155,7 @@ class Unit:
     def settled_grad(self) -> torch.Tensor:
         """``master_grad`` with the deferred clipping applied; the caller may change it, so
         its summary is dropped."""
-        grad = self.master_grad
-        for coef in self.pending_scales:
-            grad.mul_(coef.to(grad.device).to(grad.dtype))
+        grad = self._scale(self.master_grad)
         self.pending_scales = []
         self.grad_summary = None
         return grad

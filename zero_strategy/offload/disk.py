@@ -116,7 +116,6 @@ class DiskTier:
         self._readers = ThreadPoolExecutor(1, thread_name_prefix="zero-disk-read")
         self._writers = ThreadPoolExecutor(1, thread_name_prefix="zero-disk-write")
         self._pending: list[Future[None]] = []
-        self._last_write: Future[None] | None = None
         self._writes: collections.deque[Future[None]] = collections.deque()
         self._guard = threading.Lock()
         self.closed = False
@@ -268,13 +267,12 @@ class DiskTier:
         future = pool.submit(fn, *args)  # type: ignore[arg-type]
         self._pending.append(future)
         if pool is self._writers:
-            self._last_write = future
             self._writes.append(future)
 
     def drain_writes(self) -> None:
         """Wait for the write-backs submitted so far (they run in order)."""
-        if self._last_write is not None:
-            self._last_write.result()
+        while self._writes:
+            self._writes.popleft().result()
 
     def drain(self) -> None:
         """Wait for every background read-ahead and write-back; raise the first I/O error."""
