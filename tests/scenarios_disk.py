@@ -20,10 +20,12 @@ import zero_strategy as zs
 from tests.harness import register
 from tests.models import batch, loss_of, make_model, make_optimizer, zero_config
 from tests.shims import DelayedTransfers
+from zero_strategy.offload import disk as disk_module
 from zero_strategy.offload import transfers as offload
 from zero_strategy.offload.disk import DiskFullError
 
 ROOT = Path(os.environ.get("ZS_DISK_ROOT", tempfile.gettempdir()))
+STAGING_BYTES = 16 << 10
 
 
 def _dir(name: str) -> str:
@@ -60,15 +62,26 @@ def _train(engine: zs.ZeroEngine, kind: str, steps: int, seed: int = 7,
     return losses
 
 
-def parity(stage: int, kind: str = "gpt2", micro: int = 1, **extra) -> dict:
+def parity(stage: int, kind: str = "gpt2", micro: int = 1, mapped: bool = False,
+           **extra) -> dict:
     """The same training with the host tier ("cpu") and the disk tier: the arithmetic is the
-    same, so losses and weights must be equal bit for bit."""
-    where = _dir(f"parity{stage}{kind}{micro}")
-    host, disk = _engine(kind, stage, "cpu", **extra), _engine(kind, stage, "disk", where, **extra)
+    same, so losses and weights must be equal bit for bit. ``mapped``: as on a filesystem
+    that refuses O_DIRECT (every tensor a file mapping, read ahead with madvise)."""
+    where = _dir(f"parity{stage}{kind}{micro}{'m' if mapped else ''}")
+    host = _engine(kind, stage, "cpu", **extra)
+    probe = disk_module._direct_io_works
+    if mapped:
+        disk_module._direct_io_works = lambda directory: False
+    try:
+        disk = _engine(kind, stage, "disk", where, **extra)
+    finally:
+        disk_module._direct_io_works = probe
+    direct = disk.tier is not None and disk.tier.direct
     a, b = _train(host, kind, 4, micro=micro), _train(disk, kind, 4, micro=micro)
     norm_host, norm_disk = _norms(host, kind), _norms(disk, kind)
     sa, sb = host.full_state_dict(), disk.full_state_dict()
     mine = Path(where, f"rank{dist.get_rank()}")
+    direct_here = probe(str(mine))
     # The tier's tensors are mappings of files already unlinked (nothing to leave behind).
     maps = Path("/proc/self/maps").read_text().splitlines()
     files = sum(1 for line in maps if str(mine) in line and line.endswith("(deleted)"))
@@ -80,7 +93,8 @@ def parity(stage: int, kind: str = "gpt2", micro: int = 1, **extra) -> dict:
             "norms": [norm_host, norm_disk], "files": files, "listed": listed,
             "disk_bytes": report["disk_bytes"],
             "predicted_disk_bytes": report["predicted_disk_bytes"],
-            "closed_equal": closed_equal, "left_after_close": mine.exists()}
+            "closed_equal": closed_equal, "left_after_close": mine.exists(),
+            "direct": direct, "direct_here": direct_here}
 
 
 def _norms(engine: zs.ZeroEngine, kind: str) -> list[float]:
@@ -105,15 +119,26 @@ def delayed(stage: int) -> dict:
         DelayedTransfers(device)) or made[-1]
     try:
         host = _engine("gpt2", stage, "cpu")
-        disk = _engine("gpt2", stage, "disk", _dir(f"delayed{stage}"))
+        # 4 slots of 4 KiB: every copy of a shard spans several, and slots are reused
+        # within one copy, so a slot reused or landed too early shows in the results.
+        disk = _engine("gpt2", stage, "disk", _dir(f"delayed{stage}"),
+                       disk_staging_bytes=STAGING_BYTES)
     finally:
         offload.Transfers.for_device = factory  # type: ignore[method-assign]
     a, b = _train(host, "gpt2", 4), _train(disk, "gpt2", 4)
     sa, sb = host.full_state_dict(), disk.full_state_dict()
+    report = disk.memory_report()
+    largest = max(u.param_store.master.nbytes for u in disk.units)
     disk.close()
+    staging = made[1].staging
+    assert staging is not None
     return {"equal": a == b and all(torch.equal(sa[k], sb[k]) for k in sa),
             "copies": made[1].issued, "races": made[1].check(),
-            "host_buffers": [len(m.host_storages) for m in made]}
+            "host_buffers": [len(m.host_storages) for m in made],
+            "pinned": [sum(t.nbytes for t in m.pinned) for m in made],
+            "reported_pinned": report["pinned_staging_bytes"], "chunks": staging.chunks,
+            "largest_shard_bytes": largest, "bound": STAGING_BYTES,
+            "within_tier": made[1].within_tier}
 
 
 def checkpoints(stage: int) -> dict:
@@ -277,6 +302,7 @@ for _stage in (2, 3):
     register(f"checkpoints_stage{_stage}", checkpoints, stage=_stage)
     register(f"delayed_stage{_stage}", delayed, stage=_stage)
 register("parity_stage3_accumulate", parity, stage=3, micro=2)
+register("parity_stage3_mapped", parity, stage=3, micro=2, mapped=True)
 register("parity_stage3_bf16", parity, stage=3, kind="mlp", precision="bf16-mixed")
 register("refusals", refusals)
 register("custom_optimizer", custom_optimizer)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from zero_strategy.offload import transfers as offload
+from zero_strategy.offload.staging import PinnedStaging
 
 
 class DelayedTransfers(offload.Transfers):
@@ -21,10 +22,12 @@ class DelayedTransfers(offload.Transfers):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
+        self.pinned: list[torch.Tensor] = []
+        """Pinned allocations of the disk tier's staging ring (``pinned_empty``)."""
         self.queue: list[dict] = []
         self.reading: list[dict] = []
         """Copies that ran from a host buffer the host has not waited on since."""
-        self.issued = self.races = 0
+        self.issued = self.races = self.within_tier = 0
         self.host_storages: set[int] = set()
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -35,8 +38,34 @@ class DelayedTransfers(offload.Transfers):
     def is_host(self, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() in self.host_storages
 
+    def use_staging(self, total_bytes: int, pageable) -> None:
+        """The ring a GPU run builds, here for every engine with a disk tier: its slots
+        start as 0xFF bytes and its device copies run only when their event is waited on,
+        so a slot reused or read too early gives a different result."""
+        self.staging = PinnedStaging(total_bytes, self.pinned_empty)
+        self._pageable = pageable
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        self.pinned.append(torch.full((nbytes,), 255, dtype=torch.uint8))
+        return self.pinned[-1]
+
+    def device_copy(self, dst: torch.Tensor, src: torch.Tensor) -> _DelayedEvent:
+        entry = {"dst": dst, "src": src, "done": False, "index": self.issued}
+        self.queue.append(entry)
+        self.issued += 1
+        return _DelayedEvent(self, entry)
+
+    def device_wait(self, event) -> None:
+        event.synchronize()  # a copy into device memory: visible to compute once run
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> offload.Copy:
         self.check()
+        staged = self._through_staging(dst, src)
+        if staged is not None:
+            return staged
+        # Between two of the tier's tensors: on a CPU device the reduced gradient shard is
+        # in the tier too (on a GPU it is device memory, so this copy goes through the ring).
+        self.within_tier += bool(self._pageable(dst) and self._pageable(src))
         if self.is_host(dst) and self.is_host(src):  # Transfers copies these at once
             dst.copy_(src)
             return offload.DONE
@@ -76,3 +105,11 @@ class _Delayed:
     def wait_device(self) -> None:
         if not self.transfers.is_host(self.entry["dst"]):
             self.transfers.run_through(self.entry)
+
+
+class _DelayedEvent:
+    def __init__(self, transfers: DelayedTransfers, entry: dict) -> None:
+        self.transfers, self.entry = transfers, entry
+
+    def synchronize(self) -> None:
+        self.transfers.run_through(self.entry)

@@ -64,7 +64,7 @@ def test_disk_tier_trains_168m_in_one_gib(tmp_path: Path) -> None:
     kills = dict(line.split() for line in oom.splitlines()).get("oom_kill", "0")
     assert peak <= CAP and kills == "0"
     # All 2.7 GB of model states rested in files; what training added to the process's
-    # resident pages (anonymous and the tier's mapped pages, sampled every 20 ms) stayed
+    # anonymous memory (where the tier's reads land; sampled every 20 ms) stayed
     # within the window estimate_memory predicts from the two largest units (705 MiB here;
     # measured 632-704 MiB) plus what is not a model state and no formula of ZeRO's counts:
     # activations and autograd's temporaries, about 80 MiB at 32 tokens, bounded by 128 MiB.

@@ -19,6 +19,8 @@ QUANTIZATIONS = ("off", "int8")
 OFFLOAD_TIERS = (False, True, "cpu", "disk")
 """Values of ``offload_optimizer`` / ``offload_params``: False (none), True or "cpu" (host
 memory), "disk" (files under ``offload_dir``)."""
+DEFAULT_DISK_STAGING_BYTES = 64 << 20
+MIN_DISK_STAGING_BYTES = 16 << 10  # 4 slots of a page
 
 # Stage-3-only knobs use None as "not set", so that setting one for a lower stage can be
 # rejected instead of ignored. Their stage-3 defaults live here and nowhere else.
@@ -114,8 +116,8 @@ class ZeroConfig:
     memory already: nothing is moved or copied); "disk" (stages 2-3) in files under
     ``offload_dir``, together with the reduced gradient shards, brought in one unit at a time
     for the step with the next unit read ahead, so host memory holds a few units' worth
-    (ZeRO-Infinity's NVMe tier; no libaio or compiled ops: the files are memory-mapped and
-    the kernel reads and writes them)."""
+    (ZeRO-Infinity's NVMe tier; no libaio or compiled ops: each unit's files are read and
+    written whole with direct I/O on two background threads)."""
     offload_params: bool | str = False
     """Stage 3: where parameter shards rest between gathers: False on the device; True or
     "cpu" in CPU memory (on a CPU device: where they are already, at no cost); "disk" in files
@@ -124,6 +126,10 @@ class ZeroConfig:
     """Directory for the "disk" tier's files (one subdirectory per rank, locked while an
     engine uses it, removed by ``close()``). None: a fresh directory under the system's temp
     dir, removed by ``close()``. Setting it without a "disk" tier is an error."""
+    disk_staging_bytes: int | None = None
+    """On a GPU, the pinned host memory the "disk" tier's copies to and from the device pass
+    through (a ring of 4 buffers, allocated once): the most the tier ever pins. None: 64 MiB.
+    At least 16 KiB; setting it without a "disk" tier is an error."""
     broadcast_buffers: bool = True
     """Broadcast rank 0's module buffers at every forward, as DistributedDataParallel does."""
     nonfinite_grads: str = "skip"
@@ -196,6 +202,11 @@ class ZeroConfig:
                                              or not self.offload_dir):
             raise ValueError(f"offload_dir must be a directory path (str) or None, got "
                              f"{self.offload_dir!r}")
+        staging = self.disk_staging_bytes
+        if staging is not None and (isinstance(staging, bool) or not isinstance(staging, int)
+                                    or staging < MIN_DISK_STAGING_BYTES):
+            raise ValueError(f"disk_staging_bytes must be an int >= {MIN_DISK_STAGING_BYTES} "
+                             f"(bytes of pinned host memory) or None, got {staging!r}")
         for name in ("broadcast_buffers", "elementwise_optimizer", "overlap_param_gather"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -288,6 +299,10 @@ class ZeroConfig:
                 f"offload_dir={self.offload_dir!r} is set but nothing is offloaded to disk: "
                 "set offload_optimizer='disk' (and offload_params='disk' at stage 3), or "
                 "leave offload_dir unset")
+        if self.disk_staging_bytes is not None and self.optimizer_tier != "disk":
+            raise ValueError(
+                f"disk_staging_bytes={self.disk_staging_bytes!r} is set but nothing is "
+                "offloaded to disk: set offload_optimizer='disk', or leave it unset")
 
     @property
     def optimizer_tier(self) -> str:
@@ -298,6 +313,12 @@ class ZeroConfig:
     def params_tier(self) -> str:
         """Stage 3: where parameter shards rest between gathers: "device", "cpu" or "disk"."""
         return _tier(self.offload_params)
+
+    @property
+    def staging_bytes(self) -> int:
+        """The disk tier's pinned staging on a GPU, its default filled in."""
+        staging = self.disk_staging_bytes
+        return DEFAULT_DISK_STAGING_BYTES if staging is None else staging
 
     def resolved(self, name: str) -> Any:
         """A stage-3 knob with its default filled in (None below stage 3)."""

@@ -89,6 +89,8 @@ class ZeroEngine:
         self._optimizer_signature = _signature(optimizer)
         self.transfers = Transfers.for_device(self.device)
         self.tier = self._disk_tier(optimizer)
+        if self.tier is not None:
+            self.transfers.use_staging(self.config.staging_bytes, self.tier.holds)
         self.placement = Placement(self.device, self.plan.offload_optimizer,
                                    self.plan.offload_params, self.transfers, self.pool,
                                    tier=self.tier,
@@ -474,6 +476,7 @@ class ZeroEngine:
         weights: managed parameters' masters get the values at full precision. Every key and
         shape is checked before anything is written."""
         self._check_open("load_state_dict")
+        self.settle_tier()
         expected = {k: (self.access.place[id(v)][0].layout.slots[self.access.place[id(v)][1]]
                         .shape if id(v) in self.access.place else tuple(v.shape))
                     for k, v in self.module.state_dict(keep_vars=True).items()}
@@ -515,6 +518,12 @@ class ZeroEngine:
             self.tier.close()
         return self.module
 
+    def settle_tier(self) -> None:
+        """Disk tier: wait for its reads and write-backs before code that writes the state
+        outside the step (a load): a write racing one is refused by the tier with a fault."""
+        if self.tier is not None:
+            self.tier.drain()
+
     def _closed_copy(self, value: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
         """A parameter's value for the plain module ``close`` gives back. With the disk tier
         the model may not fit in memory, so the value goes into a file of the tier, mapped:
@@ -549,6 +558,7 @@ class ZeroEngine:
         """Load torch's optimizer format (from ``optimizer_state_dict()`` or a run without
         ZeRO) into the shards; also what the user's ``optimizer.load_state_dict()`` does."""
         self._check_open("load_optimizer_state_dict")
+        self.settle_tier()
         self.user_optimizer.load_state_dict(state_dict)
 
     def _part_state_dict(self, k: int) -> Any:
@@ -560,6 +570,7 @@ class ZeroEngine:
     def _part_loader(self, k: int) -> Any:
         def load(state_dict: dict[str, Any]) -> None:
             self._check_open("optimizer.load_state_dict")
+            self.settle_tier()
             load_full_state_dict(self.optimizer.parts[k], self.param_names, state_dict)
         return load
 
@@ -632,6 +643,9 @@ class ZeroEngine:
             "disk_bytes": self.tier.disk_bytes() if self.tier is not None else 0,
             "predicted_disk_bytes": predicted.disk_bytes,
             "predicted_resident_bytes": predicted.resident_bytes,
+            # the disk tier's pinned ring (GPU only): its whole pinned footprint
+            "pinned_staging_bytes": (self.transfers.staging.pinned_bytes
+                                     if self.transfers.staging is not None else 0),
             "ratio_to_formula": total / predicted.total_bytes if predicted.total_bytes else 1.0,
         }
 

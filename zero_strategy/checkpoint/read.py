@@ -422,6 +422,7 @@ def _commit(engine: ZeroEngine, staged: _Staged, load_optimizer: bool) -> None:
     """Write what ``_stage`` read. Nothing here reads a file or can find a problem."""
     manifest = staged.reader.manifest
     engine.runtime.settle()
+    engine.settle_tier()
     engine.runtime.reshard_all()
     engine.zero_grad()
     for unit in engine.units:

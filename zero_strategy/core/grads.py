@@ -11,12 +11,24 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from ..comm.collectives import Communicator, Handle
 from .buffers import BufferPool
 from .flat import FlatLayout
+
+
+class ShardMemory(NamedTuple):
+    """Where a persistent reduced shard lives outside the device (the disk tier's files)."""
+
+    alloc: Callable[[int, torch.dtype], torch.Tensor]
+    """A new tensor reading as zeros."""
+    clear: Callable[[torch.Tensor], None]
+    """Make it read as zeros again, without writing every byte."""
+    ready: Callable[[list[torch.Tensor]], None]
+    """Wait until it may be written (no background read or write-back of it running)."""
 
 
 class GradStore(ABC):
@@ -38,16 +50,13 @@ class GradStore(ABC):
         """Hybrid sharding: the ranks holding the same shard; each reduced shard is summed
         across them, so a gradient is divided by every rank of the world, not of the group."""
         self._pending: tuple[Handle, torch.Tensor | None] | None = None
-        self._shard_alloc: Callable[[int, torch.dtype], torch.Tensor] | None = None
-        self._shard_clear: Callable[[torch.Tensor], None] | None = None
+        self._shard_memory: ShardMemory | None = None
 
-    def use_shard_memory(self, memory: tuple[Callable[[int, torch.dtype], torch.Tensor],
-                                             Callable[[torch.Tensor], None]] | None) -> None:
+    def use_shard_memory(self, memory: ShardMemory | None) -> None:
         """Where a reduced shard that persists between steps is allocated and how it is
         cleared (the disk tier's files); None: zeros on the device. Stages whose shard is
         part of a full-size buffer keep it there."""
-        if memory is not None:
-            self._shard_alloc, self._shard_clear = memory
+        self._shard_memory = memory
 
     def _local_view(self, buf: torch.Tensor, index: int) -> torch.Tensor:
         slot = self.layout.slots[index]
@@ -205,8 +214,8 @@ class ShardedGrads(GradStore):
     @property  # type: ignore[override]
     def grad_shard(self) -> torch.Tensor:
         if self._shard is None:
-            if self._shard_alloc is not None:  # a new file: reads as zeros
-                self._shard = self._shard_alloc(self.layout.shard_numel, self.dtype)
+            if self._shard_memory is not None:  # a new file: reads as zeros
+                self._shard = self._shard_memory.alloc(self.layout.shard_numel, self.dtype)
             else:
                 self._shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype,
                                           device=self.device)
@@ -251,6 +260,8 @@ class ShardedGrads(GradStore):
         assert reduced is not None and self.local is not None
         self._across_replicas(reduced)  # only this reduction: earlier ones were summed already
         if reduced is not self._shard:
+            if self._shard_memory is not None:  # the last pass's may still be written back
+                self._shard_memory.ready([self.grad_shard])
             self.grad_shard.add_(reduced)
             self.pool.give(reduced)
         self._summed = True
@@ -260,11 +271,11 @@ class ShardedGrads(GradStore):
         in_flight = self.wait()  # a pass cut short may have left a reduction running
         if in_flight is not None and in_flight is not self._shard:
             self.pool.give(in_flight)
-        if self._shard is not None and self._shard_clear is not None:
+        if self._shard is not None and self._shard_memory is not None:
             # Zeros written into a disk-tier shard would cost a write of every gradient byte
-            # per step; the tier marks the file's range as zeros instead, so the reduction
-            # that overwrites it next does not read the old bytes in first.
-            self._shard_clear(self._shard)
+            # per step; the tier gives it fresh zero memory (or marks the file's range zeros)
+            # instead, so the reduction that overwrites it next reads no old bytes in first.
+            self._shard_memory.clear(self._shard)
         elif self._shard is not None:
             self._shard.zero_()
         self._summed = False

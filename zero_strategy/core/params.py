@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +34,7 @@ from ..comm.collectives import Communicator, Handle
 from ..offload.transfers import Copy, Transfers
 from .buffers import BufferPool
 from .flat import FlatLayout
+from .grads import ShardMemory
 from .precision import PrecisionPolicy
 from .storage import alias_count
 
@@ -103,19 +103,32 @@ class Placement:
             return self.tier.empty(numel, dtype, name)
         return self.transfers.host_empty(numel, dtype)
 
-    def grad_shard_memory(self, name: str) -> tuple[Callable[[int, torch.dtype], torch.Tensor],
-                                                     Callable[[torch.Tensor], None]] | None:
+    def grad_shard_memory(self, name: str) -> ShardMemory | None:
         """How a stage 2-3 unit allocates and clears its reduced gradient shard: in the disk
         tier when the gradient is reduced where the master rests (a CPU device); None: on
         the device."""
         tier = self.tier
         if not self.optimizer_disk or self.device.type != "cpu" or tier is None:
             return None
-        return (lambda numel, dtype: tier.empty(numel, dtype, name)), tier.zero_range
+        return ShardMemory(lambda numel, dtype: tier.empty(numel, dtype, name), tier.zero_range,
+                           tier.ready)
 
     def read_ahead(self, tensors: list[torch.Tensor]) -> None:
         if self.tier is not None:
             self.tier.prefetch(tensors)
+
+    def to_overwrite(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, about to be overwritten whole: in the disk tier its transfers are
+        waited for and its old contents dropped unread (fresh memory)."""
+        if self.tier is not None and self.tier.holds(tensor):
+            self.tier.zero_range(tensor)
+        return tensor
+
+    def before_write(self, tensors: list[torch.Tensor]) -> None:
+        """Wait for the disk tier's reads and write-backs of ``tensors`` (a write racing
+        one would be lost: the tier makes it fault instead)."""
+        if self.tier is not None:
+            self.tier.ready(tensors)
 
     def done_with(self, tensors: list[torch.Tensor], dirty: bool) -> None:
         if self.tier is not None:
@@ -229,6 +242,7 @@ class ParamStore(ABC):
         master = self.master.to(own.device)
         changed = own != master.to(own.dtype)
         self.wait_host_copies()
+        self.placement.before_write([self.master])
         self.transfers.copy_now(self.master, torch.where(changed, own.to(master.dtype), master))
 
     def shares_storage(self, tensor: torch.Tensor) -> bool:
@@ -241,6 +255,7 @@ class ParamStore(ABC):
         start, end = max(lo, slot.offset), min(hi, slot.end)
         if start < end:
             self.wait_host_copies()
+            self.placement.before_write([self.master])
             flat = value.reshape(-1)[start - slot.offset : end - slot.offset]
             self.master[start - lo : end - lo].copy_(flat.to(self.master.dtype))
 
@@ -447,6 +462,7 @@ class ShardedParams(ParamStore):
         start, end = max(lo, slot.offset), min(hi, slot.end)
         if start < end and self.shard is not self.master:
             self.wait_host_copies()
+            self.placement.before_write([self.shard])
             flat = value.reshape(-1)[start - slot.offset : end - slot.offset]
             self.transfers.copy_now(self.shard[start - lo : end - lo], flat.to(self.shard.dtype))
         if self._state is ParamState.UNSHARDED:
@@ -459,6 +475,7 @@ class ShardedParams(ParamStore):
         if self.shard is not self.master:
             self._merge_into_master(self.full)
         self.wait_host_copies()
+        self.placement.before_write([self.shard])
         self.transfers.copy_now(self.shard, self.full[lo:hi])
 
     def was_edited(self) -> bool:
@@ -474,6 +491,7 @@ class ShardedParams(ParamStore):
     def after_step(self, comm: Communicator) -> None:
         if self.master is not self.shard:
             self.wait_host_copies()  # an offloaded shard may still be read by a staging copy
+            self.placement.before_write([self.shard])
             pending = self.transfers.copy(self.shard, self.master)
             pending.wait_device()  # the next gather reads ``shard``
             self._reading_host = pending

@@ -112,6 +112,9 @@ class Runtime:
         self._in_order: set[int] = set()
         self._callback_queued = False
         self._launched: list[Unit] = []
+        self._resting: list[Unit] = []
+        """Units whose reduced gradient is still on its way to the disk tier (copied from a
+        GPU): rested one unit later, so the copy overlaps the next unit's work."""
         self._pinned: set[int] = set()
         """Units kept whole until the end of backward: read outside their module's forward,
         or returned (a view of) their parameters from it."""
@@ -344,6 +347,7 @@ class Runtime:
             for unit in self._launched:
                 self._finish(unit)
             self._launched = []
+            self._rest_grads(keep=0)
             for unit in self.units:
                 unit.fence_grad_copy()
             self.verify_gather_order()  # before anything gathered can reach the step
@@ -363,6 +367,7 @@ class Runtime:
         for unit in self._launched:
             unit.grad_store.wait()
         self._launched = []
+        self._resting = []  # the pass's gradients are dropped with it
         self.verify_gather_order()
         for unit in self.units:
             unit.ready = 0
@@ -409,5 +414,10 @@ class Runtime:
     def _finish(self, unit: Unit) -> None:
         unit.grad_store.finish_reduce()
         unit.prepare_master_grad()
-        unit.rest_master_grad()
+        self._resting.append(unit)
+        self._rest_grads(keep=1 if unit.grad_in_flight else 0)
         self.grads_pending_step = True
+
+    def _rest_grads(self, keep: int) -> None:
+        while len(self._resting) > keep:
+            self._resting.pop(0).rest_master_grad()

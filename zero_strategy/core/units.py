@@ -90,7 +90,8 @@ class Unit:
         if not self._needs_buffer():
             self._master_grad = grad
             return
-        self._grad_copy = self.transfers.copy(self._buffer(), grad)
+        buffer = self.param_store.placement.to_overwrite(self._buffer())
+        self._grad_copy = self.transfers.copy(buffer, grad)
         self._master_grad = self._master_grad_buffer
 
     def _needs_buffer(self) -> bool:
@@ -116,14 +117,19 @@ class Unit:
         if self._needs_buffer():
             self._buffer()
 
+    @property
+    def grad_in_flight(self) -> bool:
+        """Whether a copy (from a GPU) may still be writing ``master_grad``."""
+        return self._grad_copy is not None
+
     def rest_master_grad(self) -> None:
         """Disk tier: the reduced gradient is complete; summarise it, write it back and drop
-        it from memory until the step reads it (nothing to do elsewhere, or while a copy
-        still writes it)."""
+        it from memory until the step reads it (nothing to do elsewhere). A copy still
+        writing it is waited for here."""
         placement = self.param_store.placement
-        grad = self._master_grad
-        if not placement.optimizer_disk or grad is None or self._grad_copy is not None:
+        if not placement.optimizer_disk or self._master_grad is None:
             return
+        grad = self.master_grad  # waits for the copy
         self.grad_summary = None
         if grad.numel():  # the expressions the uncached passes evaluate, for equal bits
             self.grad_summary = (torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32) ** 2.0,

@@ -1,45 +1,53 @@
-"""The disk tier: offloaded state kept in files, memory-mapped, with the resident part bounded.
+"""The disk tier: offloaded state kept in files, with the resident part bounded.
 
 Every tensor the tier holds (a unit's master shard, parameter shard, reduced gradient shard,
-each optimizer state of each piece) is a ``MAP_SHARED`` mapping of its own file under
-``offload_dir``. The engine computes on these tensors exactly as on host memory, so the
-arithmetic is the host tier's, bit for bit; only where the bytes rest differs. What keeps the
-resident set small is that the engine tells the tier, one unit at a time, what it is about to
-use and what it is done with:
+each optimizer state of each piece) has its own file under ``offload_dir`` and a fixed address
+the engine computes on, exactly as on host memory, so the arithmetic is the host tier's, bit
+for bit; only where the bytes rest differs. The engine tells the tier, one unit at a time,
+what it is about to use and what it is done with, and each tensor's address is backed by one
+of three things, changed only here (``_Backing``):
 
-- ``prefetch`` asks the kernel to read a unit's files ahead (``MADV_WILLNEED``: readahead
-  submitted on a background thread while the current unit computes);
-- ``release`` writes a unit's dirty pages back (``msync``), unmaps them (``MADV_DONTNEED``)
-  and drops them from the page cache (``POSIX_FADV_DONTNEED``), on a second background
-  thread, so write-back overlaps the next unit's compute.
+- ``MAPPED``: a ``MAP_SHARED`` mapping of the file. Any read or write is correct (pages fault
+  in from the file), so code that touches a tensor nobody read ahead is slow, never wrong.
+- ``LOADED``: anonymous memory holding what the file holds. ``prefetch`` reads the file with
+  direct I/O (``O_DIRECT``: large sequential reads, no page cache, no page faults on the
+  compute thread) into fresh memory on a background thread and moves it onto the tensor's
+  address in one ``mremap``: a reader sees the file's values before and after.
+- ``ZEROED``: anonymous zeros (a gradient cleared for the next backward: no bytes read).
 
-The kernel's page cache is the staging buffer, so there is no pool of bounce buffers to
-exhaust, no compiled op and no libaio. Under a memory limit (a cgroup) the kernel also
-reclaims clean pages by itself, so a burst beyond what the engine released slows down rather
-than fails.
+``release`` writes a resident tensor back with one direct write on a second background
+thread and maps the file over it again, freeing the memory; a file mapping is written back
+with ``msync`` and dropped. Each file's operations run in the order submitted (one waits for
+the previous), and during one the address is read-only, so a write the engine makes without
+waiting first (``ready``) faults loudly instead of being lost. Where the filesystem refuses
+``O_DIRECT`` the tier keeps every tensor ``MAPPED`` and reads ahead with ``madvise``.
+
+There is no pool of bounce buffers to exhaust, no compiled op and no libaio.
 
 Nothing on disk is ever trusted again, and nothing is left there: each file is unlinked as
-soon as it is mapped (its blocks return to the filesystem when the process ends, even by
-SIGKILL), inside a ``rank<r>`` directory locked (``flock``) while the engine lives; a
+soon as it is open and mapped (its blocks return to the filesystem when the process ends, even
+by SIGKILL), inside a ``rank<r>`` directory locked (``flock``) while the engine lives; a
 directory whose lock nobody holds was left by a killed process and is emptied before use.
 Every file's blocks are reserved when it is created (``posix_fallocate``), optimizer states'
 included (the engine creates those files before the first step), so a full disk is an error
-when the engine is built, naming the directory and both numbers, never a ``SIGBUS`` on a page
-write mid-step.
+when the engine is built, naming the directory and both numbers, never a ``SIGBUS`` or
+``ENOSPC`` mid-step.
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
+import enum
 import errno
 import fcntl
+import mmap
 import os
 import shutil
 import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,10 +59,22 @@ _MADV_WILLNEED = 3
 _MADV_DONTNEED = 4
 _MADV_POPULATE_READ = 22  # Linux 5.14+: fault the range in now (EINVAL before: skipped)
 _MADV_POPULATE_WRITE = 23
+_MAP_FIXED = 0x10
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
+_READ_WRITE = mmap.PROT_READ | mmap.PROT_WRITE
+_FAILED = ctypes.c_void_p(-1).value
 
 _libc = ctypes.CDLL(None, use_errno=True)  # ctypes drops the GIL around these calls
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int,
+                         ctypes.c_void_p]
+_libc.mremap.restype = ctypes.c_void_p
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 _FALLOC_FL_ZERO_RANGE = 0x10
 
@@ -79,24 +99,71 @@ class DiskFullError(OSError):
     """The offload directory lacks the space the disk tier needs (names both numbers)."""
 
 
+class _Backing(enum.Enum):
+    """What a tier tensor's address shows once the operations submitted on it have run."""
+
+    MAPPED = "the file, mapped"
+    LOADED = "memory holding the file's values"
+    ZEROED = "memory holding zeros (the file is stale)"
+
+
 @dataclass
-class _Mapped:
+class _File:
     path: str
     fd: int
     address: int
     nbytes: int
     tensor: torch.Tensor
-    """Held for the engine's life: the mapping (and its address as a key) stays valid."""
+    """Held for the engine's life: the address (a key here) stays valid."""
+    backing: _Backing = _Backing.MAPPED
+    last: Future[None] | None = field(default=None, repr=False)
+    """The latest background operation on this file: the next one waits for it."""
+
+    @property
+    def length(self) -> int:
+        return _round_up(self.nbytes)
+
+    def settle(self) -> None:
+        if self.last is not None:
+            self.last.result()
+            self.last = None
 
 
 def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
 
 
-def _call(fn: object, *args: int) -> None:
+def _call(fn: object, *args: object) -> None:
     if fn(*args) != 0:  # type: ignore[operator]
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
+
+
+def _mapped_at(address: int, length: int, prot: int, flags: int, fd: int = -1) -> None:
+    """Replace whatever is at ``address`` with a new mapping (``MAP_FIXED``): atomic for
+    anyone reading the range."""
+    if _libc.mmap(address, length, prot, flags | _MAP_FIXED, fd, 0) != address:
+        err = ctypes.get_errno()
+        raise OSError(err, f"remapping the disk tier's memory: {os.strerror(err)}")
+
+
+def _direct_io_works(directory: str) -> bool:
+    """Whether files here take ``O_DIRECT`` reads and writes of page-aligned memory."""
+    probe = os.path.join(directory, ".direct")
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    buffer = mmap.mmap(-1, _PAGE)
+    try:
+        os.pwrite(fd, buffer, 0)
+        return os.preadv(fd, [buffer], 0) == _PAGE
+    except OSError:
+        return False
+    finally:
+        buffer.close()
+        os.close(fd)
+        os.unlink(probe)
 
 
 class DiskTier:
@@ -110,7 +177,9 @@ class DiskTier:
         self.rank = rank
         self.path = os.path.join(self.root, f"rank{rank}")
         self._lock_fd = self._lock()
-        self._files: dict[int, _Mapped] = {}
+        self.direct = _direct_io_works(self.path)
+        """Reads and writes with ``O_DIRECT`` (else every tensor stays a file mapping)."""
+        self._files: dict[int, _File] = {}
         self._named: dict[str, torch.Tensor] = {}
         self._count = 0
         self._readers = ThreadPoolExecutor(1, thread_name_prefix="zero-disk-read")
@@ -168,9 +237,10 @@ class DiskTier:
         self._count += 1
         path = os.path.join(self.path, f"{self._count:06d}-{name}.bin")
         nbytes = max(numel * dtype.itemsize, 1)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
+        direct = os.O_DIRECT if self.direct else 0
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | direct, 0o600)
+        try:  # whole pages: direct I/O moves the mapping's last page whole
+            os.posix_fallocate(fd, 0, _round_up(nbytes))
         except OSError as e:
             os.close(fd)
             os.unlink(path)
@@ -186,7 +256,7 @@ class DiskTier:
         os.unlink(path)
         address = tensor.untyped_storage().data_ptr()
         with self._guard:
-            self._files[address] = _Mapped(path, fd, address, nbytes, tensor)
+            self._files[address] = _File(path, fd, address, nbytes, tensor)
         return tensor
 
     def reserve(self, numel: int, dtype: torch.dtype, name: str) -> None:
@@ -203,71 +273,104 @@ class DiskTier:
         if known is None or known.numel() != tensor.numel() or known.dtype != tensor.dtype:
             known = self.empty(tensor.numel(), tensor.dtype, name)
             self._named[name] = known
+        self.ready([known])
         out = known.view(tensor.shape)
         out.copy_(tensor)
         return out
 
     def zero_range(self, tensor: torch.Tensor) -> None:
-        """Make ``tensor`` (a whole file of the tier) read as zeros without writing them: its
-        pages are dropped and the file's blocks marked unwritten but kept reserved, so the
-        next write of a page does not first read the old page from disk. Where the filesystem
+        """Make ``tensor`` (a whole file of the tier) read as zeros without writing them or
+        reading the old values: fresh zero memory (written back on release), or, for a file
+        mapping, the file's blocks marked unwritten but kept reserved. Where the filesystem
         cannot, zeros are written."""
-        mapped = self._files.get(tensor.untyped_storage().data_ptr())
-        if mapped is None:
+        f = self._files.get(tensor.untyped_storage().data_ptr())
+        if f is None or not tensor.numel():
             tensor.zero_()
+            return
+        f.settle()
+        if self.direct:
+            _mapped_at(f.address, f.length, _READ_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            f.backing = _Backing.ZEROED
+            os.posix_fadvise(f.fd, 0, f.length, os.POSIX_FADV_DONTNEED)
             return
         self.drain_writes()  # a write-back in flight would race the range's new contents
-        length = _round_up(mapped.nbytes)
-        _call(_libc.madvise, mapped.address, length, _MADV_DONTNEED)
-        if _libc.fallocate(mapped.fd, _FALLOC_FL_ZERO_RANGE, 0, mapped.nbytes) != 0:
+        _call(_libc.madvise, f.address, f.length, _MADV_DONTNEED)
+        if _libc.fallocate(f.fd, _FALLOC_FL_ZERO_RANGE, 0, f.nbytes) != 0:
             tensor.zero_()
             return
-        os.posix_fadvise(mapped.fd, 0, mapped.nbytes, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(f.fd, 0, f.nbytes, os.POSIX_FADV_DONTNEED)
+
+    def ready(self, tensors: list[torch.Tensor]) -> None:
+        """Wait for the reads and write-backs submitted on ``tensors``: needed before writing
+        them (a write during either would be lost; the tier makes it fault instead)."""
+        for f in self._ranges(tensors):
+            f.settle()
 
     def holds(self, tensor: torch.Tensor) -> bool:
         return tensor.untyped_storage().data_ptr() in self._files
 
     def disk_bytes(self) -> int:
-        return sum(m.nbytes for m in self._files.values())
+        return sum(f.nbytes for f in self._files.values())
 
-    def _ranges(self, tensors: list[torch.Tensor]) -> list[_Mapped]:
-        out = []
+    def _ranges(self, tensors: list[torch.Tensor]) -> list[_File]:
+        out: dict[int, _File] = {}  # each file once: a transfer must not overlap itself
         for t in tensors:
-            mapped = self._files.get(t.untyped_storage().data_ptr())
-            if mapped is not None and t.numel():
-                out.append(mapped)
-        return out
+            f = self._files.get(t.untyped_storage().data_ptr())
+            if f is not None and t.numel():
+                out[f.address] = f
+        return list(out.values())
 
     # ------------------------------------------------------------------ streaming
     def prefetch(self, tensors: list[torch.Tensor], write: bool = False) -> None:
-        """Start reading ``tensors``' files into memory and mapping their pages (writable
-        when ``write``: the caller is about to update them), on the background reader, so
-        the compute thread takes no page faults on them; returns at once."""
-        ranges = self._ranges(tensors)
-        if ranges:
-            self._submit(self._readers, _will_need, ranges, write)
+        """Start reading ``tensors``' files into memory on the background reader, so the
+        compute thread neither waits for the disk nor takes page faults on them (``write``:
+        the caller is about to update them, which it does after ``ready``); returns at once."""
+        files = self._ranges(tensors)
+        if not self.direct:
+            if files:
+                self._submit(self._readers, _will_need, files, write)
+            return
+        files = [f for f in files if f.backing is _Backing.MAPPED]
+        if files:
+            self._chain(self._readers, _load, files, [None] * len(files), _Backing.LOADED)
 
     def release(self, tensors: list[torch.Tensor], dirty: bool = True) -> None:
-        """Write ``tensors``' pages back (when ``dirty``) and drop them from memory, in the
-        background. Their values stay readable: a later read faults them back in."""
-        ranges = self._ranges(tensors)
-        if ranges and not dirty:  # nothing to write: dropped now, behind no write-back
-            _write_back_and_drop(ranges, dirty=False)
+        """Write ``tensors`` back (when ``dirty``) and free their memory, in the background.
+        Their values stay readable: the file is mapped where they were."""
+        files = self._ranges(tensors)
+        mapped = [f for f in files if f.backing is _Backing.MAPPED]
+        resident = [f for f in files if f.backing is not _Backing.MAPPED]
+        if mapped and not dirty and all(f.last is None for f in mapped):
+            _write_back_and_drop(mapped, dirty=False)  # nothing to write, nothing before it
+        elif mapped:
+            self._chain(self._writers, _write_back_and_drop_after, mapped,
+                        [dirty] * len(mapped), _Backing.MAPPED)
+        if resident:
+            actions = [_WRITE if dirty else _ZERO if f.backing is _Backing.ZEROED else None
+                       for f in resident]
+            self._chain(self._writers, _store, resident, actions, _Backing.MAPPED)
+        if not dirty:
             return
-        if ranges:
-            self._submit(self._writers, _write_back_and_drop, ranges, dirty)
-        # Compute may not run further ahead of the disk than a few units: pages waiting for
-        # write-back are memory, and under a memory limit the kernel would otherwise stall
-        # on them at a moment of its own choosing.
+        # Compute may not run further ahead of the disk than a few units: memory waiting for
+        # write-back is memory, which the bound on the resident set counts.
         while len(self._writes) > WRITES_IN_FLIGHT:
             self._writes.popleft().result()
 
-    def _submit(self, pool: ThreadPoolExecutor, fn: object, *args: object) -> None:
+    def _chain(self, pool: ThreadPoolExecutor, job: object, files: list[_File],
+               args: list[object], after: _Backing) -> None:
+        """Submit ``job`` on ``files``, each after the file's previous operation."""
+        items = [(f, f.last, arg) for f, arg in zip(files, args)]
+        future = self._submit(pool, job, items)
+        for f in files:
+            f.last, f.backing = future, after
+
+    def _submit(self, pool: ThreadPoolExecutor, fn: object, *args: object) -> Future[None]:
         self._pending = [f for f in self._pending if not f.done() or f.exception()]
         future = pool.submit(fn, *args)  # type: ignore[arg-type]
         self._pending.append(future)
         if pool is self._writers:
             self._writes.append(future)
+        return future
 
     def drain_writes(self) -> None:
         """Wait for the write-backs submitted so far (they run in order)."""
@@ -279,6 +382,8 @@ class DiskTier:
         pending, self._pending = self._pending, []
         for future in pending:
             future.result()
+        for f in self._files.values():
+            f.last = None
 
     def close(self) -> None:
         """Wait for the background work, delete the files (a mapping still referenced keeps
@@ -291,8 +396,8 @@ class DiskTier:
         finally:
             self._readers.shutdown()
             self._writers.shutdown()
-            for mapped in self._files.values():
-                os.close(mapped.fd)
+            for f in self._files.values():
+                os.close(f.fd)
             self._files.clear()
             self._named.clear()
             shutil.rmtree(self.path, ignore_errors=True)
@@ -306,22 +411,81 @@ class DiskTier:
                     pass
 
 
-def _will_need(ranges: list[_Mapped], write: bool) -> None:
-    for m in ranges:  # all reads queued first, so the disk sees them back to back
-        _call(_libc.madvise, m.address, _round_up(m.nbytes), _MADV_WILLNEED)
+_WRITE, _ZERO = "write", "zero"
+_Items = list[tuple[_File, "Future[None] | None", object]]
+
+
+def _transfer(io: object, f: _File, address: int) -> None:
+    """All of ``f``'s pages between ``address`` and its file, with direct I/O."""
+    done = 0
+    while done < f.length:
+        view = (ctypes.c_char * (f.length - done)).from_address(address + done)
+        moved = io(f.fd, [view], done)  # type: ignore[operator]
+        if moved <= 0:
+            raise OSError(errno.EIO, f"disk tier: {f.path} moved {done} of {f.length} bytes")
+        done += moved
+
+
+def _load(items: _Items) -> None:
+    """Read each file into new memory and move that memory onto the tensor's address."""
+    for f, previous, _ in items:
+        if previous is not None:
+            previous.result()
+        _call(_libc.mprotect, f.address, f.length, mmap.PROT_READ)  # writers fault, not lost
+        staging = _libc.mmap(None, f.length, _READ_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                             -1, 0)
+        try:
+            if staging in (None, _FAILED):
+                raise MemoryError(f"disk tier: no memory to read {f.path} ({f.length} bytes)")
+            _transfer(os.preadv, f, staging)
+            moved = _libc.mremap(staging, f.length, f.length, _MREMAP_MAYMOVE | _MREMAP_FIXED,
+                                 f.address)
+            if moved != f.address:
+                err = ctypes.get_errno()
+                raise OSError(err, f"disk tier: moving {f.path}'s pages: {os.strerror(err)}")
+        except BaseException:  # the file mapping stays, writable: slow but correct
+            if staging not in (None, _FAILED):
+                _libc.munmap(ctypes.c_void_p(staging), f.length)
+            _libc.mprotect(f.address, f.length, _READ_WRITE)
+            raise
+
+
+def _store(items: _Items) -> None:
+    """Write each resident tensor back (or mark its file zeros) and map the file in its
+    place, which frees the memory."""
+    for f, previous, action in items:
+        if previous is not None:
+            previous.result()
+        _call(_libc.mprotect, f.address, f.length, mmap.PROT_READ)  # writers fault, not lost
+        if action == _ZERO and _libc.fallocate(f.fd, _FALLOC_FL_ZERO_RANGE, 0, f.length) != 0:
+            action = _WRITE  # the memory holds the zeros
+        if action == _WRITE:
+            _transfer(os.pwritev, f, f.address)
+        _mapped_at(f.address, f.length, _READ_WRITE, mmap.MAP_SHARED, f.fd)
+
+
+def _will_need(ranges: list[_File], write: bool) -> None:
+    for f in ranges:  # all reads queued first, so the disk sees them back to back
+        _call(_libc.madvise, f.address, f.length, _MADV_WILLNEED)
     populate = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
-    for m in ranges:
+    for f in ranges:
         # Where the kernel lacks it (EINVAL), the compute thread takes the faults instead.
-        _libc.madvise(m.address, _round_up(m.nbytes), populate)
+        _libc.madvise(f.address, f.length, populate)
 
 
-def _write_back_and_drop(ranges: list[_Mapped], dirty: bool) -> None:
-    for m in ranges:
-        length = _round_up(m.nbytes)
+def _write_back_and_drop(ranges: list[_File], dirty: bool) -> None:
+    for f in ranges:
         if dirty:
-            _call(_libc.msync, m.address, length, _MS_SYNC)
-        _call(_libc.madvise, m.address, length, _MADV_DONTNEED)
-        os.posix_fadvise(m.fd, 0, m.nbytes, os.POSIX_FADV_DONTNEED)
+            _call(_libc.msync, f.address, f.length, _MS_SYNC)
+        _call(_libc.madvise, f.address, f.length, _MADV_DONTNEED)
+        os.posix_fadvise(f.fd, 0, f.nbytes, os.POSIX_FADV_DONTNEED)
+
+
+def _write_back_and_drop_after(items: _Items) -> None:
+    for f, previous, dirty in items:
+        if previous is not None:
+            previous.result()
+        _write_back_and_drop([f], bool(dirty))
 
 
 def _round_up(nbytes: int) -> int:

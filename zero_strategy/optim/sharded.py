@@ -307,6 +307,7 @@ class ShardedOptimizer:
         for k, unit in enumerate(self.units):
             if k + 1 < len(self.units):
                 read_ahead(self.units[k + 1])
+            tier.ready(self._step_tensors(unit))  # read ahead: written below
             grad = unit.scaled_grad()
             for part in self.parts:
                 assert isinstance(part, ShardPart), "the engine refuses owners with disk"
@@ -339,6 +340,7 @@ class ShardedOptimizer:
                 tier.prefetch([unit.master_grad])
             if k + 1 < len(self.units):
                 tier.prefetch([self.units[k + 1].master_grad])
+            tier.ready([unit.master_grad])  # the caller may change it
             grad = unit.settled_grad()
             yield grad
             tier.release([grad], dirty=True)
