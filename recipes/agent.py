@@ -1,5 +1,5 @@
 """Starting a job's workers: torch.distributed.run's agent, either as its own interpreter
-(``trainer.preload=false``: ``python -m torch.distributed.run ... worker.py job.yaml``) or
+(``trainer.preload=false``: ``python -m torch.distributed.run ... -m recipes.worker job.yaml``) or
 forked from the Hydra process after it imported what every worker imports and prepared the
 data once (``trainer.preload=true``, the default).
 
@@ -28,12 +28,11 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import lifetime
+from recipes import lifetime
 
 if TYPE_CHECKING:
-    from rendezvous import Rendezvous
+    from recipes.rendezvous import Rendezvous
 
-HERE = Path(__file__).resolve().parent
 
 
 MODEL_CLASSES = {"gpt": "GPT2LMHeadModel", "bert": "BertForMaskedLM",
@@ -45,7 +44,7 @@ def torchrun_args(nproc: int, max_restarts: int, config_file: Path,
     """One node on its own (``--standalone``), or this node's part of a job across nodes."""
     nodes = rendezvous.torchrun_args() if rendezvous is not None else ["--standalone"]
     return [*nodes, "--nproc_per_node", str(nproc), "--max-restarts", str(max_restarts),
-            str(HERE / "worker.py"), str(config_file)]
+            "--module", "recipes.worker", str(config_file)]
 
 
 def preload(data_cfg: dict[str, Any], model_cfg: dict[str, Any]) -> None:
@@ -56,15 +55,13 @@ def preload(data_cfg: dict[str, Any], model_cfg: dict[str, Any]) -> None:
     check_cuda_untouched("before this job was preloaded (this process's earlier code)")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no Rust threads before forks
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
-    import data
+    from recipes import data
 
     check_cuda_untouched("importing recipes/data.py")
     import transformers
 
     check_cuda_untouched("importing transformers")
-    import worker  # noqa: F401  (its imports are the workers')
+    from recipes import worker  # noqa: F401  (its imports are the workers')
 
     check_cuda_untouched("importing recipes/worker.py and what it imports")
     # transformers loads a model's code on first access to its class.
@@ -93,7 +90,7 @@ def run_subprocess(argv: list[str], env: dict[str, str], timeout_s: int) -> int 
     it (and it its workers), and it dies with this process (``lifetime.py``)."""
     parent = os.getpid()
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv], env=env,
-                            preexec_fn=lambda: lifetime.die_with_parent(signal.SIGTERM, parent))
+                            preexec_fn=lambda: lifetime.child_of(parent))
     return _wait(proc.pid, lambda: proc.poll() is not None, lambda t: _poll(proc, t),
                  lambda: proc.send_signal(signal.SIGTERM), proc.kill, timeout_s,
                  lambda: proc.returncode)
@@ -144,14 +141,15 @@ def _wait(pid: int, done: Any, wait: Any, stop: Any, kill: Any, timeout_s: int,
 def _agent(argv: list[str], env: dict[str, str], parent: int) -> None:
     os.setsid()
     # SIGTERM, which the agent handles by stopping its workers, when the launcher dies.
-    lifetime.die_with_parent(signal.SIGTERM, parent)
+    lifetime.child_of(parent)
     os.environ.clear()
     os.environ.update(env)
     import uuid
 
-    import worker
     from torch.distributed import run as torchrun
     from torch.distributed.launcher.api import elastic_launch
+
+    from recipes import worker
 
     args = torchrun.parse_args(["--start-method", "fork", *argv])
     if args.standalone:  # what torchrun's --standalone does before building its config

@@ -9,11 +9,11 @@ import shutil
 import time
 from pathlib import Path
 
-import agent
-import rendezvous
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from recipes import agent, rendezvous
 
 
 def job_dir() -> Path:
@@ -26,7 +26,7 @@ def job_dir() -> Path:
 def check_job(cfg: DictConfig) -> None:
     """What a worker would refuse, refused here before any worker starts: the precision and
     optimizer names, and the strategy's options as ZeroConfig reads them (names and values)."""
-    import schema
+    from recipes import schema
 
     if cfg.precision.name not in schema.PRECISIONS:
         raise ValueError(f"precision.name={cfg.precision.name!r} is not one of "
@@ -52,7 +52,7 @@ def check_job(cfg: DictConfig) -> None:
                              "none; set it to 1 or more")
     check_strategy(cfg)
     rendezvous.check_nodes(cfg.trainer)
-    from resume import resume_source
+    from recipes.resume import resume_source
 
     resume_source(cfg.trainer.get("resume_from"))  # a path that is no checkpoint: refused now
 
@@ -82,7 +82,7 @@ def check_strategy(cfg: DictConfig) -> None:
     ``strategy.zero`` for zero_strategy; for DDP and the anchors (Lightning's FSDP and
     DeepSpeed strategies) only a stage they have, and no ``strategy.zero`` keys (they would
     be silently ignored)."""
-    import schema
+    from recipes import schema
 
     s, impl = cfg.strategy, str(cfg.strategy.impl)
     if impl == "zero":
@@ -114,7 +114,7 @@ def check_strategy(cfg: DictConfig) -> None:
                          "train with AdamW only (Muon needs whole matrices, which FSDP's and "
                          "DeepSpeed's flat shards cut); use optim=adamw")
     if impl == "deepspeed":
-        from anchors import deepspeed_missing
+        from recipes.anchors import deepspeed_missing
 
         missing = deepspeed_missing()
         if missing is not None:
@@ -137,6 +137,12 @@ def run_job(cfg: DictConfig, out: Path | None = None) -> float:
     check_job(cfg)
     out = out or job_dir()
     out.mkdir(parents=True, exist_ok=True)
+    # A worker that dies (process or node lost) makes torch.distributed.run restart them all;
+    # they resume from the job's last checkpoint (worker.py).
+    nodes = rendezvous.job_rendezvous(cfg.trainer, str(cfg.name), job_number())
+    if nodes is not None and int(cfg.trainer.num_nodes) != nodes.nnodes:
+        with open_dict(cfg):  # a SLURM allocation's nodes: the workers' Trainer needs them
+            cfg.trainer.num_nodes = nodes.nnodes
     config_file = out / "job.yaml"
     save_config(cfg, config_file)
     nproc = int(cfg.trainer.devices)
@@ -149,9 +155,6 @@ def run_job(cfg: DictConfig, out: Path | None = None) -> float:
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     if str(cfg.strategy.impl) == "deepspeed" and cfg.trainer.accelerator == "cpu":
         env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator
-    # A worker that dies (process or node lost) makes torch.distributed.run restart them all;
-    # they resume from the job's last checkpoint (worker.py).
-    nodes = rendezvous.job_rendezvous(cfg.trainer, str(cfg.name), job_number())
     argv = agent.torchrun_args(nproc, int(cfg.trainer.max_restarts), config_file, nodes)
     how = "forked from this preloaded process" if cfg.trainer.preload else "new interpreters"
     where = f" on this node of {nodes.nnodes}" if nodes is not None else ""

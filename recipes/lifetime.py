@@ -48,6 +48,22 @@ def die_with_parent(sig: int, parent: int | None = None) -> None:
         os.kill(os.getpid(), sig)
 
 
+def leave_preemption_to_the_launcher() -> None:
+    """Ignore SLURM's warning before a preemption or a time limit (``--signal=USR2@90``,
+    which submitit asks for): it reaches every process of the job, and the job's launcher
+    (submitit's handler, in the Hydra process) answers it by requeueing the job, which then
+    resumes from its last checkpoint. By default the signal would kill the agent and the
+    workers first, and an agent forked from the Hydra process would run the handler it
+    inherited a second time. Ignored, it stays ignored across exec (the workers)."""
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+
+def child_of(parent: int) -> None:
+    """For ``preexec_fn``: die with ``parent``; leave preemption to the launcher."""
+    die_with_parent(signal.SIGTERM, parent)
+    leave_preemption_to_the_launcher()
+
+
 class JobStop:
     """The signals received while a job runs, and when the first came."""
 

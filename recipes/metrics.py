@@ -14,10 +14,10 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from anchors import anchor_label, anchor_offload, census, full_state_dict
-from comm_count import COUNTER
 
 import zero_strategy as zs
+from recipes.anchors import anchor_label, anchor_offload, census, full_state_dict
+from recipes.comm_count import COUNTER
 
 WARMUP_STEPS = 3  # the first steps pay for lazy allocation and are not timed
 
@@ -114,8 +114,10 @@ class JobMetrics(L.Callback):
 
     def outside_training_start(self, trainer: L.Trainer) -> None:
         """From here to ``outside_training_end`` (validation, a checkpoint) the bytes sent are
-        not training traffic: they are left out of the per-step figure."""
-        if self._outside_from is None:
+        not training traffic: they are left out of the per-step figure. After training the
+        figure's end is fixed already (``on_train_end``): a validation then is not counted,
+        so nothing is left out either (it was, and made the figure negative)."""
+        if self._outside_from is None and self._comm_end is None:
             self._outside_from = self._comm_totals(trainer)
 
     def outside_training_end(self, trainer: L.Trainer) -> None:

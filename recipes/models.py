@@ -7,15 +7,15 @@ import math
 import os
 from typing import Any
 
-import data as recipe_data
 import lightning as L
 import torch
-from resume import ResumableSampler
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers.pytorch_utils import Conv1D
 
 import zero_strategy as zs
+from recipes import data as recipe_data
+from recipes.resume import ResumableSampler
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -20,10 +20,10 @@ import sys
 from typing import Any
 
 import torch
-from muon_fp32 import use_fp32_newton_schulz  # this script's folder is on sys.path
 from transformers.pytorch_utils import Conv1D
 
 import zero_strategy as zs
+from recipes.muon_fp32 import use_fp32_newton_schulz
 
 _CONV1D: list[Conv1D] = []
 _ADAMW = torch.optim.AdamW

@@ -2,6 +2,9 @@
 checked in the Hydra process, and the torch.distributed.run options they become.
 
 One node (``trainer.num_nodes=1``, the default) rendezvouses on its own (``--standalone``).
+Inside a SLURM step with one task on each of several nodes (a sweep's job submitted with
+``hydra/launcher=submitit_slurm hydra.launcher.nodes=N``), the nodes, the endpoint and the id
+come from the allocation (``slurm_nodes``): nothing to set.
 Several nodes run the same command, each its own Hydra process starting ``trainer.devices``
 workers under its own agent, with ``--nnodes N --rdzv-backend c10d --rdzv-endpoint HOST:PORT
 --rdzv-id ID``: the agent on HOST serves the rendezvous store, the others connect to it, and
@@ -57,12 +60,41 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
+SLURM_PORTS = (20000, 10000)
+"""A job's rendezvous port inside a SLURM allocation: 20000 + its job id modulo 10000, the
+same on every node without anyone choosing it (and again when the job is requeued)."""
+
+
+def slurm_nodes() -> tuple[int, str, str] | None:
+    """Inside a SLURM step that runs one task on each of several nodes (what
+    hydra-submitit-launcher starts for ``hydra.launcher.nodes=N tasks_per_node=1``):
+    (the number of nodes, the address of the node the step was launched from, which runs
+    its first task, the job id). None elsewhere."""
+    env = os.environ
+    try:
+        nodes, tasks = int(env["SLURM_STEP_NUM_NODES"]), int(env["SLURM_STEP_NUM_TASKS"])
+    except (KeyError, ValueError):
+        return None
+    host, job = env.get("SLURM_LAUNCH_NODE_IPADDR"), env.get("SLURM_JOB_ID")
+    if nodes < 2 or tasks != nodes or not host or not job:
+        return None
+    return nodes, host, job
+
+
 def check_nodes(trainer: Any) -> None:
     """The multi-node keys, refused with the key named before any worker starts."""
     nodes, endpoint = int(trainer.num_nodes), trainer.rdzv_endpoint
     if nodes < 1:
         raise ValueError(f"trainer.num_nodes={nodes}: must be 1 or more (machines, each "
                          "running trainer.devices processes)")
+    allocation = slurm_nodes()
+    if allocation is not None and endpoint is None:
+        if nodes not in (1, allocation[0]):
+            raise ValueError(
+                f"trainer.num_nodes={nodes}, but this SLURM step runs one task on each of "
+                f"{allocation[0]} nodes: set trainer.num_nodes={allocation[0]}, or leave it 1 "
+                "to take the allocation's nodes")
+        return
     if nodes == 1:
         if endpoint is not None:
             raise ValueError(
@@ -82,6 +114,11 @@ def job_rendezvous(trainer: Any, name: str, job_num: int | None) -> Rendezvous |
     """The job's rendezvous across nodes, None for a one-node job. ``job_num``: the job's
     number in a sweep (Hydra's ``hydra.job.num``), None for a single run."""
     check_nodes(trainer)
+    allocation = slurm_nodes()
+    if allocation is not None and trainer.rdzv_endpoint is None:
+        nnodes, host, job = allocation
+        base, span = SLURM_PORTS
+        return Rendezvous(nnodes, f"{host}:{base + int(job) % span}", f"slurm-{job}")
     if int(trainer.num_nodes) == 1:
         return None
     host, port = split_endpoint(trainer.rdzv_endpoint)

@@ -160,15 +160,24 @@ def report_writer(table: list[dict[str, Any]]) -> tuple[str, str] | None:
     return None
 
 
+def ran_the_jobs(config: DictConfig) -> bool:
+    """Whether this Hydra process ran the sweep's jobs itself (Hydra's basic launcher; with
+    several nodes every node's process runs the same sweep) rather than handing them to a
+    cluster launcher (submitit: the jobs run in SLURM jobs, and this process alone ends the
+    sweep, so it writes the report)."""
+    target = str(config.hydra.launcher.get("_target_", ""))
+    return target.startswith("hydra._internal.core_plugins.basic_launcher")
+
+
 class SweepReport(Callback):
     """Hydra callback: after a multirun, compare its jobs side by side."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from rendezvous import LAUNCHER_ID
+        from recipes.rendezvous import LAUNCHER_ID
 
         sweep_dir = Path(config.hydra.sweep.dir)
         writer = report_writer(rows(sweep_dir))
-        if writer is not None and writer[0] != LAUNCHER_ID:
+        if writer is not None and writer[0] != LAUNCHER_ID and ran_the_jobs(config):
             print(f"sweep report: left to the node that ran rank 0 of job {writer[1]} "
                   f"(its Hydra process {writer[0]})")
             return

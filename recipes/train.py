@@ -14,9 +14,9 @@ Hydra's command line, so a multirun sweep runs every job exactly once.
 from __future__ import annotations
 
 import hydra
-import launch
-import schema
 from omegaconf import DictConfig
+
+from recipes import launch, schema
 
 schema.register()
 

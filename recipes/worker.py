@@ -22,14 +22,12 @@ import lightning as L
 import torch
 from omegaconf import OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from comm_count import COUNTER
-from lifetime import die_with_parent
-from metrics import JobMetrics
-from models import RecipeData, RecipeModule
-from nodes import NodeAgreement
-from resume import InjectedFault, PeriodicCheckpoint, last_checkpoint, resume_source
+from recipes.comm_count import COUNTER
+from recipes.lifetime import die_with_parent, leave_preemption_to_the_launcher
+from recipes.metrics import JobMetrics
+from recipes.models import RecipeData, RecipeModule
+from recipes.nodes import NodeAgreement
+from recipes.resume import InjectedFault, PeriodicCheckpoint, last_checkpoint, resume_source
 
 
 def make_strategy(cfg: Any, module: RecipeModule) -> Any:
@@ -39,11 +37,10 @@ def make_strategy(cfg: Any, module: RecipeModule) -> Any:
 
         return DDPStrategy()
     if impl in ("fsdp", "deepspeed"):
-        from anchors import make_anchor_strategy
+        from recipes.anchors import make_anchor_strategy
 
         return make_anchor_strategy(cfg, module)
-    from schema import zero_options
-
+    from recipes.schema import zero_options
     from zero_strategy.lightning import ZeroStrategy
 
     return ZeroStrategy(stage=cfg.strategy.stage, **zero_options(cfg.strategy.zero))
@@ -62,6 +59,7 @@ def main(config_file: str) -> None:
     entered = time.time()
     # A worker whose agent is gone (killed outright) has nobody to wait for it or restart it.
     die_with_parent(signal.SIGKILL)
+    leave_preemption_to_the_launcher()
     COUNTER.install()  # before any strategy holds a reference to a collective
     cfg = OmegaConf.load(config_file)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from tests import several_optimizers as so  # noqa: E402
 from zero_strategy.accelerate import ZeroAccelerator, ZeroPlugin  # noqa: E402

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import hydra  # noqa: E402
 import lightning.pytorch as L  # noqa: E402

@@ -24,8 +24,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import zero_strategy as zs  # noqa: E402
 from tests.models import batch, loss_of, make_model, make_optimizer, zero_config  # noqa: E402
 

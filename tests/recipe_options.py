@@ -17,7 +17,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
-sys.path.insert(0, str(ROOT / "recipes"))
 
 GROUPS = ("strategy", "precision", "model", "data", "optim", "trainer", "experiment",
           "hparams_search")
@@ -31,10 +30,10 @@ def options() -> list[tuple[str, str]]:
 
 
 def main(out: Path) -> None:
-    import launch
-    import schema
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
+
+    from recipes import launch, schema
 
     schema.register()
     results: list[dict] = []

@@ -11,7 +11,6 @@ both agents may serve the store; the first to bind does).
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,9 +19,6 @@ import torch
 from tests.models import STAGE3, loss_of, make_model, make_optimizer
 from tests.multinode_engine import CLIP, global_batches
 from tests.nodes import ROOT, free_port, python, run_nodes
-
-sys.path.insert(0, str(ROOT / "recipes"))
-
 
 TRAIN = str(ROOT / "recipes" / "train.py")
 
@@ -287,9 +283,10 @@ def test_checkpoints_need_every_node_to_see_rank_0s_job_directory(tmp_path: Path
 
 # ------------------------------------------------------------------------------ recipe keys
 def _compose(overrides: list[str], hydra: bool = False):  # noqa: ANN202
-    import schema
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+
+    from recipes import schema
 
     schema.register()
     GlobalHydra.instance().clear()
@@ -308,7 +305,7 @@ def _compose(overrides: list[str], hydra: bool = False):  # noqa: ANN202
      "'node0:65535' is not HOST:PORT with PORT in 1..65534"),
 ])
 def test_bad_multi_node_keys_are_refused_naming_them(overrides: list[str], named: str) -> None:
-    import launch
+    from recipes import launch
 
     with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(".", r"\.")):
         launch.check_job(_compose(["trainer=fast", *overrides]))
@@ -325,8 +322,7 @@ def test_a_node_without_an_endpoint_starts_no_worker(tmp_path: Path) -> None:
 def test_each_job_of_a_sweep_meets_under_its_own_id_on_alternating_ports() -> None:
     """What the agent is started with: one node on its own; several with the c10d rendezvous
     at the endpoint, job k under an id derived from the job and on PORT + k % 2."""
-    import agent
-    import rendezvous
+    from recipes import agent, rendezvous
 
     one = _compose(["trainer=fast"]).trainer
     assert rendezvous.job_rendezvous(one, "gpt-tiny-zero3", 3) is None
@@ -347,7 +343,7 @@ def test_node_local_keys_are_neither_compared_nor_in_job_directory_names() -> No
     """A node may set trainer.preload (and the other node-local keys) differently: the
     ranks do not compare them, and the job's directory name, which must be the same on
     every node sharing the sweep directory, leaves them (and the endpoint) out."""
-    from nodes import NODE_LOCAL, disagreements, flat_config
+    from recipes.nodes import NODE_LOCAL, disagreements, flat_config
 
     overrides = ["trainer.num_nodes=2", "trainer.rdzv_endpoint=node0:29400"]
     naming = _compose(overrides, hydra=True).hydra.job.config.override_dirname

@@ -9,7 +9,6 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,10 +16,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "recipes"))
 
-import schema  # noqa: E402
-
+from recipes import schema  # noqa: E402
 from tests.test_recipes import FAST, _compose, _run  # noqa: E402
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -46,7 +43,7 @@ def test_existing_presets_name_their_implementation(option: str, impl: str) -> N
 
 
 def test_fsdp_preset_passes_the_checks_that_run_before_workers() -> None:
-    import launch
+    from recipes import launch
 
     launch.check_job(_compose(["strategy=fsdp"]))
 
@@ -66,7 +63,7 @@ def test_fsdp_preset_passes_the_checks_that_run_before_workers() -> None:
 ])
 def test_options_an_implementation_does_not_read_are_refused_by_name(
         overrides: list[str], named: str) -> None:
-    import launch
+    from recipes import launch
 
     with pytest.raises(ValueError, match=named.replace("(", r"\(").replace("[", r"\[")):
         launch.check_job(_compose(overrides))
@@ -75,8 +72,7 @@ def test_options_an_implementation_does_not_read_are_refused_by_name(
 def test_deepspeed_missing_says_which_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where deepspeed is not installed the job fails in the Hydra process, before any worker
     starts, with the command that installs it (checked here on any machine by hiding it)."""
-    import anchors
-    import launch
+    from recipes import anchors, launch
 
     real = importlib.util.find_spec
     monkeypatch.setattr(anchors.importlib.util, "find_spec",
@@ -113,7 +109,7 @@ class _Group:
     ("broadcast", ([torch.zeros(10, dtype=torch.float64)],), 80),
 ])
 def test_counter_uses_the_engines_byte_model(method: str, args: tuple, expected: int) -> None:
-    from comm_count import CommCounter
+    from recipes.comm_count import CommCounter
 
     counter = CommCounter()
     counter.count(_Group(4), method, args)
@@ -128,7 +124,7 @@ def test_counter_wraps_every_process_group_collective_it_names() -> None:
     """The counter sits on the ProcessGroup methods (libraries keep their own references to
     torch.distributed's functions); a method torch renames would go uncounted, so the table
     must name only methods this torch has, and the common ones must be there."""
-    from comm_count import METHODS
+    from recipes.comm_count import METHODS
 
     pg = torch.distributed.ProcessGroup
     present = {m for m in METHODS if hasattr(pg, m)}
@@ -137,7 +133,7 @@ def test_counter_wraps_every_process_group_collective_it_names() -> None:
 
 
 def test_bytes_not_measured_are_never_shown_as_zero(tmp_path: Path) -> None:
-    import report
+    from recipes import report
 
     for i, comm in enumerate([None, 2.0**20]):
         (tmp_path / f"{i}-job").mkdir()
@@ -157,7 +153,7 @@ def test_bytes_not_measured_are_never_shown_as_zero(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ census and labels
 def test_census_counts_each_storage_once_by_the_first_claim() -> None:
-    from anchors import Census
+    from recipes.anchors import Census
 
     flat = torch.zeros(100)
     views = [flat[:60], flat[60:]]  # a flat buffer under two parameter views
@@ -171,8 +167,7 @@ def test_census_counts_each_storage_once_by_the_first_claim() -> None:
 
 
 def test_anchor_labels_are_read_from_the_strategy_objects() -> None:
-    import anchors
-    import metrics
+    from recipes import anchors, metrics
 
     assert metrics.strategy_label(anchors.CpuFSDPStrategy()) == ("fsdp", 3)
     assert metrics.strategy_label(anchors.CpuFSDPStrategy(
@@ -195,8 +190,8 @@ def test_bench_experiments_reproduce_the_shared_benchmark_regimes(
     constant 1e-4 with betas (0.9, 0.95) and weight decay 0.1, clipping 1.0, fp32, and the
     timed steps after the recipes' warm-up; the model built from it has the parameter count
     the benchmark lists."""
-    import metrics
-    from models import SIZES, build_model
+    from recipes import metrics
+    from recipes.models import SIZES, build_model
 
     cfg = _compose([f"experiment={experiment}", "strategy=fsdp"])
     knobs = SIZES["gpt"][str(cfg.model.size)]
@@ -216,7 +211,7 @@ def test_bench_experiments_reproduce_the_shared_benchmark_regimes(
 
 
 def test_random_data_is_seeded_and_the_same_for_every_strategy() -> None:
-    from data import random_splits
+    from recipes.data import random_splits
 
     a, b = (random_splits(64, 8, 40, 0.1, seed=3) for _ in range(2))
     assert torch.equal(a.train.chunks, b.train.chunks) and len(a.val) == 4
@@ -227,7 +222,7 @@ def test_random_data_is_seeded_and_the_same_for_every_strategy() -> None:
 def test_deepspeed_anchor_label_on_the_real_strategy() -> None:
     if not HAS_DEEPSPEED:
         pytest.skip("deepspeed is not installed (pip install -e '.[anchors]')")
-    import anchors
+    from recipes import anchors
 
     cfg = SimpleNamespace(strategy=SimpleNamespace(impl="deepspeed", stage=3, offload=False),
                           trainer=SimpleNamespace(accelerator="cpu"))

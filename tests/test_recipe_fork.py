@@ -14,9 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 SCRIPT = """
 import sys, torch
-sys.path.insert(0, {recipes!r})
-import agent
-data_cfg, model_cfg = {{"kind": "causal", "vocab_size": 512}}, {{"name": "gpt"}}
+from recipes import agent
+data_cfg, model_cfg = {"kind": "causal", "vocab_size": 512}, {"name": "gpt"}
 
 def refusal():
     try:
@@ -34,7 +33,7 @@ print("ON_IMPORT:", refusal())
 
 def test_forking_after_cuda_was_initialised_is_refused_naming_the_cause() -> None:
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT.format(recipes=str(ROOT / "recipes"))],
+        [sys.executable, "-c", SCRIPT],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = dict(line.split(": ", 1) for line in result.stdout.splitlines() if ": " in line)

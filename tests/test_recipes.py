@@ -17,9 +17,8 @@ from hydra.core.global_hydra import GlobalHydra
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
-sys.path.insert(0, str(ROOT / "recipes"))
 
-import schema  # noqa: E402
+from recipes import schema  # noqa: E402
 
 schema.register()
 
@@ -85,7 +84,7 @@ def test_objective_names_the_metric_and_why_a_trial_has_none() -> None:
     """What the job returns to the sweeper: the optimized metric of the final model; a job
     without a finite one fails (Optuna marks the trial failed) saying which and why, where a
     NaN used to reach Optuna and crash the study."""
-    import launch
+    from recipes import launch
 
     ran = {"name": "gpt-tiny-zero3", "steps": 3, "val_step": 3, "val_loss": 2.5,
            "train_loss": 2.7, "val_acc": None}
@@ -110,7 +109,7 @@ def test_objective_names_the_metric_and_why_a_trial_has_none() -> None:
 ])
 def test_an_objective_that_cannot_be_measured_is_refused_before_workers_start(
         overrides: list[str], named: str) -> None:
-    import launch
+    from recipes import launch
 
     cfg = _compose(["hparams_search=optuna", *overrides])
     with pytest.raises(ValueError, match=named.replace("(", r"\(")):
@@ -124,11 +123,11 @@ def test_report_columns_are_read_from_the_run() -> None:
     from types import SimpleNamespace
 
     import lightning as L
-    import metrics
     import torch
     from lightning.pytorch.strategies import DDPStrategy
 
     import zero_strategy as zs
+    from recipes import metrics
     from zero_strategy.lightning import ZeroStrategy
 
     def trainer(strategy: object) -> L.Trainer:
@@ -166,7 +165,7 @@ def test_report_columns_are_read_from_the_run() -> None:
 
 
 def test_report_lists_what_did_not_run_as_requested(tmp_path: Path) -> None:
-    import report
+    from recipes import report
 
     for i, (asked, ran) in enumerate([("32-true", "32-true"), ("16-mixed", "bf16-mixed")]):
         (tmp_path / f"{i}-job").mkdir()
@@ -323,7 +322,7 @@ def test_deepspeed_stage_3_job_matches_the_sweep_and_is_measured(
 
 
 def test_floor_is_overlapped_communication_or_compute_plus_the_optimizer() -> None:
-    import floor
+    from recipes import floor
 
     parts = {"fwd_bwd": 1.0, "adamw_full": 0.4, "adamw_shard": 0.2, "all_gather": 0.3,
              "reduce_scatter": 0.5, "all_reduce": 1.5, "params": 10}
@@ -362,9 +361,9 @@ def test_schema_lists_every_zero_config_option() -> None:
 @pytest.mark.parametrize("name", ["gpt", "bert"])
 def test_optim_muon_trains_hidden_matrices_with_muon_and_the_rest_with_adamw(name: str) -> None:
     import torch
-    from models import RecipeModule
 
     import zero_strategy as zs
+    from recipes.models import RecipeModule
 
     cfg = _compose([f"model={name}", "model.size=tiny", "optim=muon"])
     module = RecipeModule(dict(cfg.model), dict(cfg.optim), vocab_size=64, max_steps=10)
@@ -393,7 +392,7 @@ def test_optim_muon_trains_hidden_matrices_with_muon_and_the_rest_with_adamw(nam
 
 
 def test_optim_muon_on_a_model_without_2d_hidden_weights_says_so() -> None:
-    from models import RecipeModule
+    from recipes.models import RecipeModule
 
     cfg = _compose(["model=resnet", "model.size=tiny", "optim=muon"])
     module = RecipeModule(dict(cfg.model), dict(cfg.optim), vocab_size=64, max_steps=10)
@@ -471,3 +470,38 @@ def test_zero3_disk_job_continues_the_zero3_job(sweep: tuple[Path, subprocess.Co
     assert ours["strategy"] == "zero3_disk" and ours["steps"] == zero3["steps"] == 6
     assert ours["train_loss"] == zero3["train_loss"] and ours["val_loss"] == zero3["val_loss"]
     assert not [p for p in offload.iterdir() if p.is_dir()], "each rank removes its files"
+
+
+def test_bytes_per_step_leave_out_only_what_was_counted() -> None:
+    """A validation after training (the final model's) sends bytes after the per-step
+    figure's end was read: leaving them out anyway made the figure negative (-1.84 MiB for
+    zero3 in a 5-step sweep)."""
+    from types import SimpleNamespace
+
+    from recipes.metrics import WARMUP_STEPS, JobMetrics
+
+    class Engine:
+        total = 0
+
+        def comm_bytes(self) -> dict[str, int]:
+            return {"total": self.total}
+
+    engine = Engine()
+    trainer = SimpleNamespace(strategy=SimpleNamespace(engine=engine), global_step=0,
+                              world_size=2, callback_metrics={})
+    metrics = JobMetrics(cfg=None, out=Path("."))
+    metrics.outside_training_start(trainer)  # the sanity check, before counting starts
+    engine.total += 7
+    metrics.outside_training_end(trainer)
+    trainer.global_step = WARMUP_STEPS
+    metrics.on_train_batch_start(trainer, None, None, 0)  # counting starts here
+    engine.total += 1000  # two training steps
+    metrics.outside_training_start(trainer)  # a periodic validation: left out
+    engine.total += 300
+    metrics.outside_training_end(trainer)
+    engine.total += 1000
+    metrics.on_train_end(trainer, None)
+    metrics.outside_training_start(trainer)  # the final validation, after the end was read
+    engine.total += 500
+    metrics.outside_training_end(trainer)
+    assert metrics._comm_per_step(trainer, 2)[0] == 1000
