@@ -12,7 +12,9 @@ So, as torchrun does for its workers:
   (KeyboardInterrupt for SIGINT, so a multirun ends there; SIGTERM's default action);
 - the agent and every worker ask the kernel to signal them when their parent exits
   (``die_with_parent``, Linux's PR_SET_PDEATHSIG), so a launcher or agent killed outright
-  (SIGKILL, the OOM killer) leaves nothing training.
+  (SIGKILL, the OOM killer) leaves nothing training;
+- a worker ends at once on SIGTERM (``end_at_once_on_sigterm``), as an agent asking it to
+  stop expects.
 """
 
 from __future__ import annotations
@@ -56,6 +58,20 @@ def leave_preemption_to_the_launcher() -> None:
     workers first, and an agent forked from the Hydra process would run the handler it
     inherited a second time. Ignored, it stays ignored across exec (the workers)."""
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+
+def end_at_once_on_sigterm() -> None:
+    """Give SIGTERM back its default action (the process ends) in a worker.
+
+    Lightning's handler (2.6) runs a ``broadcast`` inside the signal handler. The agent
+    signals the workers one after another, so one rank can run that broadcast after its
+    k-th collective and another after its (k+1)-th: the collectives pair wrongly and both
+    ranks hang until the agent's 30 s kill (seen: stops of 18 and 30 s instead of 2). A
+    recipe worker has nothing to finish on SIGTERM (checkpoints are written atomically and
+    the agent asked it to stop), so it ends where it is. Call from the main thread after
+    Lightning registered its handlers (each ``Trainer.fit``/``validate`` does)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def child_of(parent: int) -> None:

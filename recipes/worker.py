@@ -23,11 +23,26 @@ import torch
 from omegaconf import OmegaConf
 
 from recipes.comm_count import COUNTER
-from recipes.lifetime import die_with_parent, leave_preemption_to_the_launcher
+from recipes.lifetime import (die_with_parent, end_at_once_on_sigterm,
+                              leave_preemption_to_the_launcher)
 from recipes.metrics import JobMetrics
 from recipes.models import RecipeData, RecipeModule
 from recipes.nodes import NodeAgreement
 from recipes.resume import InjectedFault, PeriodicCheckpoint, last_checkpoint, resume_source
+
+
+class EndAtOnceOnSigterm(L.Callback):
+    """Lightning registers its SIGTERM handler after ``on_fit_start``; the first hooks after
+    it put the default action back (``lifetime.end_at_once_on_sigterm``)."""
+
+    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        end_at_once_on_sigterm()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        end_at_once_on_sigterm()
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        end_at_once_on_sigterm()
 
 
 def make_strategy(cfg: Any, module: RecipeModule) -> Any:
@@ -74,7 +89,7 @@ def main(config_file: str) -> None:
     # From the process's creation to main() are its imports (none when forked preloaded).
     metrics.startup.update(worker_process=process_started() - t0, worker_main=entered - t0,
                            model_built=time.time() - t0)
-    callbacks: list[L.Callback] = [metrics]
+    callbacks: list[L.Callback] = [EndAtOnceOnSigterm(), metrics]
     nodes = NodeAgreement(cfg, job) if int(cfg.trainer.num_nodes) > 1 else None
     if nodes is not None:
         callbacks.insert(0, nodes)  # its checks come before anything is written

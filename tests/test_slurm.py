@@ -104,6 +104,14 @@ def _complete_checkpoint(sweep: Path, number: int) -> bool:
     return last.is_file() or (last / "latest").exists() or (last / ".metadata").exists()
 
 
+def _array_task(cluster: slurm.Cluster, number: int) -> str:
+    """The SLURM id (``<array>_<task>``) of sweep job ``number``, still in the queue."""
+    tasks = dict(line.split() for line in
+                 cluster.run("squeue", "-r", "-h", "-o", "%K %i").splitlines())
+    assert str(number) in tasks, f"job {number} ended before it was interrupted: {tasks}"
+    return tasks[str(number)]
+
+
 def test_interrupted_jobs_resume_where_uninterrupted_ones_end(
         cluster: slurm.Cluster, tmp_path: Path) -> None:
     """Job 0 is told its time is up (SIGUSR2, what ``--signal=USR2@90`` sends): submitit's
@@ -112,8 +120,11 @@ def test_interrupted_jobs_resume_where_uninterrupted_ones_end(
     checkpoint, and end on the losses of the same sweep run without interruption."""
     import time
 
-    steps = ["strategy=zero2,zero3", "trainer.max_steps=24", "trainer.checkpoint_every=4",
-             "trainer.val_check_interval=12"]
+    # 48 steps leave each job ~40 after its first checkpoint: it is interrupted within a poll
+    # (0.1 s) and a SLURM command of that checkpoint (24 steps: one job had ended first).
+    steps = ["strategy=zero2,zero3", "trainer.max_steps=48", "trainer.checkpoint_every=4",
+             "trainer.val_check_interval=24"]
+    interrupt = {0: ("scancel", "--signal=USR2"), 1: ("scontrol", "requeue")}
     sweep = tmp_path / "slurm"
     hydra = subprocess.Popen(
         [sys.executable, TRAIN, *BASE, *steps, *SUBMITIT, f"hydra.sweep.dir={sweep}"],
@@ -121,14 +132,15 @@ def test_interrupted_jobs_resume_where_uninterrupted_ones_end(
         stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 600
-        while not all(_complete_checkpoint(sweep, k) for k in (0, 1)):
+        ids: dict[int, str] = {}
+        while len(ids) < len(interrupt):
             assert hydra.poll() is None, hydra.stdout.read()[-6000:] if hydra.stdout else ""
-            assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
-            time.sleep(0.5)
-        ids = cluster.run("squeue", "-h", "-o", "%i", "--sort=i").split()
-        assert len(ids) == 2, ids
-        cluster.run("scancel", "--signal=USR2", ids[0])
-        cluster.run("scontrol", "requeue", ids[1])
+            assert time.monotonic() < deadline, f"no checkpoint within 10 minutes: {ids}"
+            for number, command in interrupt.items():
+                if number not in ids and _complete_checkpoint(sweep, number):
+                    ids[number] = _array_task(cluster, number)
+                    cluster.run(*command, ids[number])
+            time.sleep(0.1)
         out, _ = hydra.communicate(timeout=900)
     finally:
         if hydra.poll() is None:
@@ -136,7 +148,7 @@ def test_interrupted_jobs_resume_where_uninterrupted_ones_end(
     assert hydra.returncode == 0, out[-6000:]
     # Each job started twice (submitit logs each start) and the second run resumed from the
     # first one's checkpoint (Lightning says so); job 0 was requeued by submitit's hook.
-    for job_id in ids:
+    for job_id in ids.values():
         out = next((sweep / ".submitit").rglob(f"{job_id}_0_log.out")).read_text()
         err = next((sweep / ".submitit").rglob(f"{job_id}_0_log.err")).read_text()
         assert out.count("Starting with JobEnvironment") == 2, out[-3000:]
