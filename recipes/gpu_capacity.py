@@ -10,6 +10,12 @@ engine, trains three bf16-mixed AdamW steps, and reports the last step's time. A
 at its first failure; the largest success is reported, so the answer is as fine as the
 ``--layers`` grid. TFLOPS count 6 x parameters x tokens per step (attention's own FLOPs
 excluded, as usual for this figure).
+
+Each trial also checks its GPU memory after the step, when activations are gone, against the
+ZeRO formula's device bytes (``engine.predicted_memory()``): plain stage 3 must hold between
+0.9x and 1.5x of it (the rest: the pool's gradient blocks of the largest units, a unit the
+next forward prefetched). Offloaded runs keep almost nothing on the GPU, so their ratio is
+reported only. A run outside the bound makes the command exit 1, naming it.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ def trial(args: argparse.Namespace) -> dict[str, Any]:
                            zs.ZeroConfig(precision="bf16-mixed", **MODES[args.mode]),
                            device="cuda")
     ids = torch.randint(0, 50257, (args.batch, args.seq), device="cuda")
+    base = torch.cuda.memory_allocated()
     times = []
     for _ in range(3):
         torch.cuda.synchronize()
@@ -54,9 +61,17 @@ def trial(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     tokens = args.batch * args.seq
+    final_loss = float(loss)
+    del loss
+    torch.cuda.synchronize()
+    predicted = engine.predicted_memory()
+    formula = predicted.total_bytes - predicted.host_bytes
+    ratio = (torch.cuda.memory_allocated() - base) / formula if formula else float("nan")
     return {"mode": args.mode, "layers": args.n_layer, "params": params,
             "step_s": times[-1], "tflops": 6 * params * tokens / times[-1] / 1e12,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss)}
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": final_loss,
+            "formula_device_gib": formula / 2**30, "states_to_formula": ratio,
+            "within_formula": args.mode != "zero3" or 0.9 <= ratio <= 1.5}
 
 
 def search(args: argparse.Namespace) -> dict[str, Any]:
@@ -108,6 +123,11 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
+    off = [t for mode in report["modes"].values() for t in mode["tried"]
+           if t.get("within_formula") is False]
+    if off:
+        sys.exit(f"GPU memory after the step is not within 0.9-1.5x of the ZeRO formula: "
+                 f"{json.dumps(off)}")
 
 
 if __name__ == "__main__":

@@ -23,8 +23,11 @@ import torch
 from omegaconf import OmegaConf
 
 from recipes.comm_count import COUNTER
-from recipes.lifetime import (die_with_parent, end_at_once_on_sigterm,
-                              leave_preemption_to_the_launcher)
+from recipes.lifetime import (
+    die_with_parent,
+    end_at_once_on_sigterm,
+    leave_preemption_to_the_launcher,
+)
 from recipes.metrics import JobMetrics
 from recipes.models import RecipeData, RecipeModule
 from recipes.nodes import NodeAgreement

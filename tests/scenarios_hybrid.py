@@ -114,3 +114,24 @@ def hybrid_group_sizes() -> dict[str, str]:
     except ValueError as e:
         return {"message": str(e)}
     return {"message": "no error"}
+
+
+@scenario
+def group_creation_order() -> dict[str, Any]:
+    """The groups this rank creates while an engine is built, in order: with nccl splitting
+    the world's communicator (a device-bound default group), every rank must create every
+    group in one order, or the splits pair up wrongly and hang."""
+    created: list[list[int]] = []
+    original = dist.new_group
+
+    def recording(ranks: list[int] | None = None, *args: Any, **kwargs: Any) -> Any:
+        created.append(list(ranks or []))
+        return original(ranks, *args, **kwargs)
+
+    dist.new_group = recording
+    try:
+        engine = _engine(3, shard_group_size=2)
+    finally:
+        dist.new_group = original
+    engine.close()
+    return {"created": created, "every_rank": dist.get_world_size()}

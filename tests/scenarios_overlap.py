@@ -35,8 +35,8 @@ class _HeldBack:
     def __init__(self, handle: Any, staging: torch.Tensor, output: torch.Tensor) -> None:
         self.handle, self.staging, self.output = handle, staging, output
 
-    def wait(self) -> bool:
-        self.handle.wait()
+    def wait(self, host: bool = False) -> bool:
+        self.handle.wait(host=host)
         self.output.copy_(self.staging)
         return True
 

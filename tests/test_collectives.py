@@ -4,10 +4,13 @@ pool, gradients reduced where autograd put them: on 2 and 3 gloo processes
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 from tests.harness import check, run_world
+from zero_strategy.core import buffers
 from zero_strategy.core.buffers import BufferPool
 
 
@@ -66,6 +69,112 @@ def test_pool_lends_into_a_storage_and_takes_the_memory_back() -> None:
     pool.give(other)
     pool.lend(storage, 24)
     assert full.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+class _LateKernels:
+    """The pool's fence on a device whose kernels run late, on the CPU: work launched on the
+    giving stream runs only once a stream waits on an event recorded after it (or at
+    ``drain``), as a GPU's does behind a host that runs ahead; the taking stream's work runs
+    at once. Events are how much work had been launched when recorded."""
+
+    def __init__(self) -> None:
+        self.queued: list[tuple[int, Callable[[], object]]] = []
+        self.launched = 0
+
+    def launch(self, work: Callable[[], object]) -> None:
+        self.queued.append((self.launched, work))
+        self.launched += 1
+
+    def record(self) -> int:
+        return self.launched
+
+    def wait(self, event: int) -> None:
+        while self.queued and self.queued[0][0] < event:
+            self.queued.pop(0)[1]()
+
+    def drain(self) -> None:
+        self.wait(self.launched)
+
+
+@pytest.mark.parametrize("back", ["give", "reclaim"])
+def test_a_reused_device_block_waits_for_its_last_users_work(
+        back: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reduced gradient still being added into the shard by a late kernel when its block
+    goes back: the next user, on another stream, overwrites the block with NaN at once. The
+    shard must get the reduced values, from the same block (the pool still reuses it)."""
+    device = _LateKernels()
+    monkeypatch.setattr(buffers, "stream_fence", lambda _: device)
+    pool = BufferPool(torch.device("cpu"))
+    reduced = pool.take(4, torch.float32)
+    reduced.copy_(torch.arange(1.0, 5.0))
+    block = reduced.data_ptr()
+    shard = torch.zeros(4)
+    memory = reduced.numpy()  # what a kernel holds: the address, whichever storage owns it
+    device.launch(lambda: shard.add_(torch.from_numpy(memory)))
+    if back == "give":
+        pool.give(reduced)
+        after = pool.take(4, torch.float32)
+    else:
+        pool.reclaim(reduced.untyped_storage())
+        after = torch.empty(0)
+        pool.lend(after.untyped_storage(), 16)
+        after.set_(after.untyped_storage(), 0, (4,))
+    after.fill_(float("nan"))
+    device.drain()
+    assert after.data_ptr() == block
+    assert shard.tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_host_blocks_come_back_as_they_were_given() -> None:
+    """Host memory: no fence, and the block given back is the next one taken, whatever the
+    dtype, while the pool holds it in between."""
+    assert buffers.stream_fence(torch.device("cpu")) is None
+    pool = BufferPool(torch.device("cpu"))
+    first = pool.take(10, torch.float32)
+    storage, block = first.untyped_storage(), first.data_ptr()
+    first.copy_(torch.arange(10.0))
+    pool.give(first)
+    assert pool.held_bytes() == 40
+    again = pool.take(5, torch.float64)
+    assert again.untyped_storage() is storage and again.data_ptr() == block
+    assert pool.held_bytes() == 0
+    assert again.view(torch.float32).tolist() == [float(i) for i in range(10)]
+
+
+def test_the_device_fence_makes_the_taking_stream_wait_on_the_giving_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.cuda's events and streams, faked: a block given on stream "a" and taken on "b"
+    makes "b" wait on an event recorded on "a"; events are recorded again, not made anew."""
+    waits: list[tuple[str, str]] = []
+    made: list[object] = []
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_event(self, event: Event) -> None:
+            waits.append((self.name, event.on))
+
+    class Event:
+        def __init__(self) -> None:
+            made.append(self)
+            self.on = ""
+
+        def record(self, stream: Stream) -> None:
+            self.on = stream.name
+
+    current = [Stream("a")]
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    fence = buffers.stream_fence(torch.device("cuda", 0))
+    assert fence is not None
+    for giver, taker in [("a", "b"), ("b", "a"), ("a", "a")]:
+        current[0] = Stream(giver)
+        event = fence.record()
+        current[0] = Stream(taker)
+        fence.wait(event)
+    assert waits == [("b", "a"), ("a", "b"), ("a", "a")]
+    assert len(made) == 1
 
 
 def test_int8_all_gather_is_within_half_a_step_and_the_same_everywhere(

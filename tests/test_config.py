@@ -98,3 +98,12 @@ def test_engine_before_process_group_is_a_clear_error() -> None:
     model = torch.nn.Linear(2, 2)
     with pytest.raises(RuntimeError, match="init_process_group"):
         zs.ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), zs.ZeroConfig())
+
+
+def test_the_gather_order_check_is_on_off_or_blocking() -> None:
+    assert zs.ZeroConfig(stage=3, check_gather_order="blocking").resolved(
+        "check_gather_order") == "blocking"
+    assert zs.ZeroConfig(stage=3).resolved("check_gather_order") is True
+    with pytest.raises(ValueError, match=r"check_gather_order must be True, False, 'blocking' "
+                                         r"or None, got 'deferred'"):
+        zs.ZeroConfig(stage=3, check_gather_order="deferred")

@@ -1,7 +1,9 @@
 """GPU checks: parity with the global-batch reference at every stage on CUDA, delayed offload
 copies, host syncs per step, peak memory against the formula, a GPU checkpoint loaded by a
-CPU world. Skipped without CUDA (``python -m pytest -m cuda tests/test_cuda.py`` runs them);
-every path they touch also has a CPU test. See tests/scenarios_cuda.py for the tolerances."""
+CPU world, int8 collectives and hybrid sharding, ``device="cuda"`` without an index, the
+pinned arena, the blocking gather-order check, a lost peer's timeout, Lightning and Fabric.
+Skipped without CUDA (``python -m pytest -m cuda tests/test_cuda.py`` runs them); every path
+they touch also has a CPU test. See tests/scenarios_cuda.py for the tolerances."""
 
 from __future__ import annotations
 
@@ -80,3 +82,53 @@ def test_gpu_checkpoint_loads_in_a_cpu_world(worlds: dict) -> None:
     for r in check(worlds[0]["load_on_cpu"]):
         assert r["weights_equal"] and r["global_step"] == 3 and r["finite"]
 
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("name", ["int8_stage3", "hybrid_groups_of_1_stage3"])
+def test_int8_and_hybrid_sharding_match_the_global_batch(worlds: dict, n: int,
+                                                         name: str) -> None:
+    for r in check(worlds[n][name]):
+        assert r["rel_to_update"] <= r["tolerance"], r
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_cuda_without_an_index_is_the_current_device(worlds: dict, n: int) -> None:
+    for r in check(worlds[n]["unindexed_device"]):
+        assert r["device"] == r["expected"] and r["equal"], r
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_offloaded_buffers_are_pinned_in_one_arena(worlds: dict, n: int) -> None:
+    for r in check(worlds[n]["pinned_arena"]):
+        assert r["pinned"] and r["reported"] == r["arena"] > 0 and r["allocations"] == 1, r
+
+
+def test_a_blocking_gather_order_check_raises_before_any_wrong_exchange(worlds: dict) -> None:
+    for r in check(worlds[2]["blocking_gather_order"]):
+        assert r["raised"] and "ranks are gathering different units" in r["raised"], r
+        assert r["unchanged"], r
+
+
+def test_a_lost_peer_raises_the_named_timeout_on_the_gpu(worlds: dict) -> None:
+    r = check(worlds[2]["timeout_on_the_gpu"])[0]
+    assert r["raised"] and "did not complete within 2 s" in r["raised"], r
+    assert r["seconds"] < 30, r
+
+
+def test_lightning_and_fabric_zero3_match_ddp_on_the_gpu(tmp_path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.harness import ROOT
+
+    out = tmp_path / "adapters.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "tests.cuda_adapters", str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    for name, r in json.loads(out.read_text()).items():
+        assert r["device"] == "cuda:0" and r["rel"] <= 1e-4, (name, r)

@@ -67,6 +67,12 @@ def test_hybrid_resume_is_bit_exact_and_loads_anywhere(world4: dict) -> None:
             ["shard-00000.safetensors", "shard-00001.safetensors"], r["files"]
 
 
+def test_every_rank_creates_every_group_in_one_order(world4: dict) -> None:
+    created = [r["created"] for r in check(world4["group_creation_order"])]
+    assert all(c == created[0] for c in created), created
+    assert created[0] == [[0, 1], [2, 3], [0, 2], [1, 3]], created[0]
+
+
 def test_group_size_must_divide_the_world(world4: dict) -> None:
     for r in check(world4["hybrid_group_sizes"]):
         assert "shard_group_size=3 must divide the world size 4" in r["message"]

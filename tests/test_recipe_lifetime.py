@@ -104,8 +104,8 @@ def stop_job(how: str, tmp: Path, *args: str) -> dict:
     for pid in left:  # never leave them to the rest of the suite
         os.kill(pid, signal.SIGKILL)
     output = launcher.communicate(timeout=30)[0]
-    return {"before": before, "left": left, "catching": catching, "seconds": time.monotonic() - sent,
-            "code": launcher.returncode, "output": output,
+    return {"before": before, "left": left, "catching": catching,
+            "seconds": time.monotonic() - sent, "code": launcher.returncode, "output": output,
             "jobs": sorted(p.name for p in (tmp / "sweep").glob("*") if p.is_dir())}
 
 

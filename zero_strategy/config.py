@@ -96,12 +96,16 @@ class ZeroConfig:
     unit_leaf_classes: tuple[str, ...] | None = None
     """Stage 3: class names of modules gathered as one unit with everything below them, e.g.
     a mixture-of-experts layer whose experts do not all run on every rank (default none)."""
-    check_gather_order: bool | None = None
-    """Stage 3: before each gather, check with a 16-byte all-gather that every rank gathers
-    the same unit, and raise naming both instead of exchanging the wrong shards or hanging
-    when ranks run different modules (default True). On the host (gloo) the same exchange
-    keeps gradient reductions in step across ranks whose backward differs (experts under
-    ``unit_leaf_classes``); without it such ranks can wait for each other and hang."""
+    check_gather_order: bool | str | None = None
+    """Stage 3: with each gather, check with a 16-byte all-gather that every rank gathers
+    the same unit, and raise ``GatherOrderError`` naming both when ranks run different
+    modules (default True). True: on the host (gloo) the check blocks before the gather, so
+    the wrong shards are never exchanged, and it keeps gradient reductions in step across
+    ranks whose backward differs (experts under ``unit_leaf_classes``); on a GPU it is read
+    once at the end of backward (no host sync per unit), so mismatched gathers run first
+    and nccl may end the job (its watchdog, or ``timeout``) before the error is raised.
+    "blocking": the host check on every device, for debugging such a job on a GPU (one host
+    sync per gather). False: no check."""
     overlap_param_gather: bool = True
     """Stages 1-2 (and stage 3's persistent parameters): the all-gather of the updated
     parameters after ``step()`` runs in the background, and each bucket is waited for when
@@ -210,10 +214,12 @@ class ZeroConfig:
         for name in ("broadcast_buffers", "elementwise_optimizer", "overlap_param_gather"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        for name in ("prefetch", "check_gather_order"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, bool):
-                raise ValueError(f"{name} must be True, False or None, got {value!r}")
+        if self.prefetch is not None and not isinstance(self.prefetch, bool):
+            raise ValueError(f"prefetch must be True, False or None, got {self.prefetch!r}")
+        order = self.check_gather_order
+        if order is not None and not isinstance(order, bool) and order != "blocking":
+            raise ValueError(f"check_gather_order must be True, False, 'blocking' or None, "
+                             f"got {order!r}")
         leaves = self.unit_leaf_classes
         if isinstance(leaves, list):
             leaves = tuple(leaves)

@@ -22,6 +22,7 @@ from .comm.collectives import Communicator, default_device
 from .config import ZeroConfig
 from .core.access import ParamAccess
 from .core.buffers import BufferPool
+from .core.devices import canonical_device
 from .core.hooks import HookSet, ModulePatches
 from .core.materialize import InitFn, Materializer, has_meta
 from .core.params import Placement
@@ -112,7 +113,8 @@ class ZeroEngine:
             tier=self.tier)
         self._reserve_disk_states()
         self.runtime = Runtime(self.units, self.shards, model, self.plan.prefetch,
-                               self.plan.check_gather_order, world=self.comm)
+                               self.plan.check_gather_order, world=self.comm,
+                               blocking_order_check=self.plan.blocking_order_check)
         self.hooks = HookSet()
         self.hooks.install(self.units, self.runtime)
         self.access = ParamAccess(self.units, self.runtime, self.shards, self.param_names,
@@ -327,9 +329,7 @@ class ZeroEngine:
         if self._norm is not None:
             return not bool(torch.isfinite(self._norm))
         local = self.optimizer.nonfinite_local(self.device)
-        if self.comm.world_size > 1:
-            self.comm.all_reduce_max(local)
-        return bool(local.item())
+        return bool(self.comm.all_reduce_max_to_host(local.reshape(1))[0])
 
     def step(self) -> bool:
         """Optimizer step on this rank's shard, then propagate and zero gradients.
@@ -646,6 +646,8 @@ class ZeroEngine:
             # the disk tier's pinned ring (GPU only): its whole pinned footprint
             "pinned_staging_bytes": (self.transfers.staging.pinned_bytes
                                      if self.transfers.staging is not None else 0),
+            # the pinned arena of offloaded host buffers (GPU only), chunks whole
+            "pinned_bytes": self.transfers.pinned_bytes,
             "ratio_to_formula": total / predicted.total_bytes if predicted.total_bytes else 1.0,
         }
 
@@ -717,7 +719,7 @@ def _single_device(model: nn.Module, wanted: torch.device | str | None,
         if not t.is_meta:
             devices.setdefault(t.device, name)
     if wanted is not None:
-        devices.setdefault(torch.device(wanted), "device=")
+        devices.setdefault(canonical_device(wanted), "device=")
     if len(devices) > 1:
         found = ", ".join(f"{d} (e.g. {n!r})" for d, n in devices.items())
         raise ValueError(

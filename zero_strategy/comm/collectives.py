@@ -130,19 +130,28 @@ def group_timeout(group: dist.ProcessGroup | None) -> float | None:
     return None
 
 
+def _splits_communicators() -> bool:
+    """Whether new groups are made by splitting the world's communicator (a default group
+    bound to a device: torch's own test, a private attribute read here only)."""
+    default = dist.distributed_c10d._get_default_group()
+    return getattr(default, "bound_device_id", None) is not None
+
+
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
 
 
 class Handle(Protocol):
-    def wait(self) -> object: ...
+    def wait(self, host: bool = False) -> object:
+        """Complete for the device's next work; ``host=True``: also for the host, which is
+        about to read the result (then bounded by the timeout on every backend)."""
 
 
 class _Done:
     """The handle of a collective that ran synchronously (one rank, nothing to wait for)."""
 
-    def wait(self) -> bool:
+    def wait(self, host: bool = False) -> bool:
         return True
 
 
@@ -153,8 +162,8 @@ class _Pending:
     def __init__(self, comm: Communicator, work: Any, op: str) -> None:
         self.comm, self.work, self.op = comm, work, op
 
-    def wait(self) -> bool:
-        self.comm.wait(self.work, self.op)
+    def wait(self, host: bool = False) -> bool:
+        self.comm.wait(self.work, self.op, host=host)
         return True
 
 
@@ -166,10 +175,10 @@ class _Exchange:
                  finish: Callable[[], None] | None = None) -> None:
         self.comm, self.works, self.op, self.finish = comm, works, op, finish
 
-    def wait(self) -> bool:
+    def wait(self, host: bool = False) -> bool:
         works, self.works = self.works, []
         for work in works:
-            self.comm.wait(work, self.op)
+            self.comm.wait(work, self.op, host=host)
         if self.finish is not None:
             finish, self.finish = self.finish, None
             finish()
@@ -193,11 +202,14 @@ class Communicator:
     a host tensor in an nccl collective fails only on a GPU, at N >= 2, so the check is made
     here, on every backend, where a CPU test can see it.
 
-    ``timeout`` (seconds) bounds every wait under gloo, whose own default is 30 minutes and
-    cannot be changed for a group someone else created. Under nccl a bounded ``wait`` would
-    block the host until the GPU finishes (no more overlap), so there the process group's own
-    timeout applies (its watchdog aborts a stuck collective; the adapters create the group
-    with ``ZeroConfig.timeout``). ``step`` tells errors which training step they happened in.
+    ``timeout`` (seconds) bounds every wait where the backend serving ``device`` is gloo
+    (plain "gloo", or "cpu:gloo,cuda:nccl" with a CPU model), whose own default is 30 minutes
+    and cannot be changed for a group someone else created. Under nccl a bounded ``wait``
+    blocks the host until the GPU finishes (no more overlap), so only the waits after which
+    the host reads the result anyway are bounded there (``wait(host=True)``, the ``*_to_host``
+    collectives, barriers, object exchanges): a peer that never comes raises
+    ``CollectiveTimeout`` there instead of leaving it to nccl's watchdog, which ends the
+    process. ``step`` tells errors which training step they happened in.
 
     Byte counts follow the ring convention: what each rank sends for the operation.
     """
@@ -221,8 +233,12 @@ class Communicator:
         self.timeout_s = min((t for t in (timeout, own) if t is not None), default=None)
         stricter = own is not None and (timeout is None or own < timeout)
         self._timeout_source = "the process group's timeout" if stricter else "ZeroConfig.timeout"
-        self._wait_timeout = (timedelta(seconds=self.timeout_s)
-                              if self.timeout_s is not None and self.backend == "gloo" else None)
+        self._host_timeout = (timedelta(seconds=self.timeout_s)
+                              if self.timeout_s is not None else None)
+        """Bounds the waits the host blocks on whatever the backend."""
+        self._wait_timeout: timedelta | None = None
+        """Bounds every wait: the timeout where the device's backend is gloo."""
+        self._bound_waits()
         self._step = step
         self.bytes_sent: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
@@ -256,24 +272,42 @@ class Communicator:
     def split(self, group_size: int) -> tuple[Communicator, Communicator]:
         """Hybrid sharding: (this rank's shard group of ``group_size`` consecutive ranks, its
         replica group of the ranks at the same place in every shard group). Every rank of this
-        communicator calls it; each creates just its two groups, which only their members
-        synchronise on (ranks outside this communicator take no part)."""
+        communicator calls it, and they create every shard group, then every replica group,
+        in one order (``_subgroup``)."""
         n = self.world_size
         if group_size > n or n % group_size:
             raise ValueError(f"shard_group_size={group_size} must divide the world size {n} "
                              f"(allowed: {[k for k in range(1, n + 1) if n % k == 0]})")
-        start = self.rank - self.rank % group_size
-        block = self._peers[start : start + group_size]
-        column = self._peers[self.rank % group_size :: group_size]
-        timeout = timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None
-        groups = [dist.new_group(ranks, backend=self.backend, timeout=timeout,
-                                 use_local_synchronization=True) for ranks in (block, column)]
-        shards, replicas = (Communicator(g, timeout=self.timeout_s, step=self._step)
-                            for g in groups)
+        blocks = [list(range(start, start + group_size)) for start in range(0, n, group_size)]
+        columns = [list(range(first, n, group_size)) for first in range(group_size)]
+        shards, replicas = (Communicator(self._subgroup(parts), timeout=self.timeout_s,
+                                         step=self._step) for parts in (blocks, columns))
         for comm in (shards, replicas):
-            comm.device = self.device
+            comm.use_device(self.device)
             comm._scratch = self._scratch
         return shards, replicas
+
+    def _subgroup(self, parts: list[list[int]]) -> dist.ProcessGroup:
+        """This rank's group among ``parts``, a partition of this group's ranks.
+
+        Where the world's group is bound to a device (``init_process_group(device_id=...)``,
+        which Lightning passes), nccl makes a new group by splitting the world's
+        communicator, and every rank of the world must take part in every split in the same
+        order, members or not. So every group of the partition is created on every rank, in
+        the partition's order. A subgroup's ranks cannot make the rest of the world take part:
+        there the groups are split from this group itself (``split_group``)."""
+        timeout = timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None
+        if self.group is not None and _splits_communicators():
+            return dist.split_group(self.group, parts, timeout=timeout)
+        mine = None
+        for part in parts:
+            group = dist.new_group([self._peers[r] for r in part], backend=self.backend,
+                                   timeout=timeout,
+                                   use_local_synchronization=self.group is not None)
+            if self.rank in part:
+                mine = group
+        assert mine is not None, (self.rank, parts)  # a partition covers every rank
+        return mine
 
     def use_scratch(self, take: Scratch, give: Release) -> None:
         """Where receive buffers of the direct exchanges come from and go back to (the
@@ -296,6 +330,12 @@ class Communicator:
                 "serves (nccl: cuda), or create the group with a backend for it (gloo for CPU, "
                 "or 'cpu:gloo,cuda:nccl')")
         self.device = device
+        self._bound_waits()
+
+    def _bound_waits(self) -> None:
+        """Decided per device: the backend string names a backend for each device type."""
+        gloo = backend_for(self.backend, self.device.type) == "gloo"
+        self._wait_timeout = self._host_timeout if gloo else None
 
     def _check(self, op: str, *tensors: torch.Tensor) -> None:
         for t in tensors:
@@ -313,13 +353,16 @@ class Communicator:
         return (self.world_size - 1) / self.world_size
 
     # ---------------------------------------------------------------- waiting
-    def wait(self, work: Any, op: str) -> None:
-        """Wait for ``work`` (collective ``op``) at most the timeout; raise naming it."""
+    def wait(self, work: Any, op: str, host: bool = False) -> None:
+        """Wait for ``work`` (collective ``op``) at most the timeout; raise naming it.
+        ``host``: the host reads the result next, so the wait blocks it on every backend and
+        is bounded on every backend (nccl's ``wait(timeout)`` blocks the host)."""
+        limit = self._host_timeout if host else self._wait_timeout
         try:
-            if self._wait_timeout is None:
+            if limit is None:
                 work.wait()
             else:
-                work.wait(self._wait_timeout)
+                work.wait(limit)
         except RuntimeError as e:
             raise self._error(op, e) from e
 
@@ -354,12 +397,19 @@ class Communicator:
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
         return self._finish(work, "all_reduce", async_op)
 
-    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+    def all_reduce_max(self, tensor: torch.Tensor, *, host: bool = False) -> torch.Tensor:
+        """Max in place over ranks; ``host``: complete for the host, which reads it next."""
         self._check("all_reduce(max)", tensor)
         self._count("all_reduce", 2 * tensor.nbytes * self._fraction())
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        self.wait(work, "all_reduce(max)")
+        self.wait(work, "all_reduce(max)", host=host)
         return tensor
+
+    def all_reduce_max_to_host(self, tensor: torch.Tensor) -> list[float]:
+        """The max over ranks of ``tensor`` (1-D), read on the host (one bounded wait)."""
+        if self.world_size > 1:
+            self.all_reduce_max(tensor, host=True)
+        return tensor.tolist()
 
     def reduce_scatter(
         self, output: torch.Tensor, flat_input: torch.Tensor, *, async_op: bool = False
@@ -562,7 +612,7 @@ class Communicator:
         """Every rank's ``values`` (a blocking round trip of 8 bytes per value and rank)."""
         mine = torch.tensor(values, dtype=torch.int64, device=self.device)
         out = torch.empty(self.world_size * len(values), dtype=torch.int64, device=self.device)
-        self.all_gather(out, mine)
+        self.all_gather(out, mine, async_op=True).wait(host=True)
         return out.view(self.world_size, -1).tolist()
 
     def all_gather_object(self, obj: object) -> list[object]:
@@ -574,18 +624,20 @@ class Communicator:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
         sizes = torch.empty(self.world_size, dtype=torch.int64, device=device)
-        self.wait(_all_gather(sizes, size, group=self.group, async_op=True), "all_gather_object")
+        self.wait(_all_gather(sizes, size, group=self.group, async_op=True), "all_gather_object",
+                  host=True)
         longest = int(sizes.max())
         padded = torch.zeros(longest, dtype=torch.uint8, device=device)
         padded[: data.numel()] = data
         out = torch.empty(longest * self.world_size, dtype=torch.uint8, device=device)
-        self.wait(_all_gather(out, padded, group=self.group, async_op=True), "all_gather_object")
+        self.wait(_all_gather(out, padded, group=self.group, async_op=True), "all_gather_object",
+                  host=True)
         blobs = out.cpu().view(self.world_size, longest)
         return [pickle.loads(blobs[r, : int(n)].numpy().tobytes())
                 for r, n in enumerate(sizes.tolist())]
 
     def barrier(self) -> None:
-        self.wait(dist.barrier(group=self.group, async_op=True), "barrier")
+        self.wait(dist.barrier(group=self.group, async_op=True), "barrier", host=True)
 
     def failures(self, error: str | None) -> list[tuple[int, str]]:
         """Agree on whether a local step (writing a file, validating) succeeded everywhere:

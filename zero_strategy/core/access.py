@@ -208,13 +208,10 @@ class ParamAccess:
 
     def _check_unedited(self, units: list[Unit]) -> None:
         edited = [u for u in units if u.param_store.was_edited()]
-        flag = torch.tensor([float(bool(edited))], device=units[0].grad_store.device) \
-            if units else None
-        if flag is None:
+        if not units:
             return
-        if self.comm.world_size > 1:
-            self.comm.all_reduce_max(flag)
-        if flag.item():
+        flag = torch.full((1,), float(bool(edited)), device=units[0].grad_store.device)
+        if self.comm.all_reduce_max_to_host(flag)[0]:
             for unit in units:  # put the compute copies back: the edit is not kept
                 unit.param_store.discard_compute_edits(self.shards)
             where = ", ".join(repr(u.name or "<root>") for u in edited) or "another rank"

@@ -36,6 +36,8 @@ from torch.nn.modules.module import (
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .devices import canonical_device
+
 InitFn = Callable[[nn.Module], None]
 RngState = tuple[torch.Tensor, torch.Tensor | None]
 """The CPU generator's state and, on CUDA, the device generator's (init may draw from both)."""
@@ -297,7 +299,7 @@ def meta_init(device: torch.device | str = "cpu",
         _ACTIVE.pop()
         for hook in hooks:
             hook.remove()
-    _settle(order, torch.device(device), init_fn or default_init)
+    _settle(order, canonical_device(device), init_fn or default_init)
 
 
 def _settle(order: _ConstructionOrder, device: torch.device, init_fn: InitFn) -> None:

@@ -56,6 +56,9 @@ class ZeroPlan:
     prefetch: bool
     unit_leaf_classes: tuple[str, ...]
     check_gather_order: bool
+    blocking_order_check: bool
+    """The gather-order check blocks before each gather on every device (else only where
+    the group communicates host tensors)."""
     overlap_param_gather: bool
     offload_optimizer: bool
     offload_params: bool
@@ -92,6 +95,7 @@ def make_plan(config: ZeroConfig, world_size: int) -> ZeroPlan:
         prefetch=bool(config.resolved("prefetch")),
         unit_leaf_classes=tuple(config.resolved("unit_leaf_classes") or ()),
         check_gather_order=bool(config.resolved("check_gather_order")),
+        blocking_order_check=config.resolved("check_gather_order") == "blocking",
         overlap_param_gather=config.overlap_param_gather,
         offload_optimizer=config.offload_optimizer,
         offload_params=config.offload_params,

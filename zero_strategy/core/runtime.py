@@ -24,10 +24,11 @@ different code (mixture-of-experts routing leaves an expert unused on one rank o
   naming both units instead of exchanging the wrong shards or hanging. When the group
   communicates host tensors (gloo on CPU) the check blocks before the gather, so units of
   different sizes never meet in one collective. On a GPU, reading the indices would stall the
-  host once per unit: there the exchange is issued with the gather and read once, at the end
-  of backward (or after ``DEFERRED_TAGS`` gathers), still before the step can use anything
+  host once per unit: there the exchange is issued with the gather (its tag a view of one
+  index tensor made once, so nothing is copied from the host) and read once, at the end of
+  backward (or after ``DEFERRED_TAGS`` gathers), still before the step can use anything
   gathered; units of different sizes then meet in one collective, which nccl ends with its
-  own timeout.
+  own timeout. ``check_gather_order="blocking"`` asks for the host check on a GPU too.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
 from ..comm.collectives import Communicator, Handle
+from .devices import from_host
 from .hooks import queue_end_of_backward, register_pre_backward
 from .params import ParamState
 from .units import Unit
@@ -92,7 +94,7 @@ _ENTERED_FROM: dict[TrainingState, frozenset[TrainingState]] = {
 class Runtime:
     def __init__(self, units: list[Unit], comm: Communicator, root: torch.nn.Module,
                  prefetch: bool, check_gather_order: bool,
-                 world: Communicator | None = None) -> None:
+                 world: Communicator | None = None, blocking_order_check: bool = False) -> None:
         self.units = units
         self.comm = comm
         self.world = world or comm
@@ -101,7 +103,10 @@ class Runtime:
         parameters were used anywhere."""
         self.prefetch = prefetch
         self.check_gather_order = check_gather_order and comm.world_size > 1
-        self.defer_order_check = comm.device.type != "cpu"
+        self.defer_order_check = comm.device.type != "cpu" and not blocking_order_check
+        self._indices: torch.Tensor | None = None
+        """Every unit's index on the device, made once: the gather-order tag of a unit is a
+        view of it, so tagging a gather copies nothing from the host."""
         self._tags: list[tuple[Unit, torch.Tensor, Handle]] = []
         self.root_unit = next((u for u in units if u.module is root), None)
         self.sync = True
@@ -161,7 +166,10 @@ class Runtime:
             self._launch_ready()
 
     def _tag_gather(self, unit: Unit) -> None:
-        mine = torch.tensor([unit.index], dtype=torch.int64, device=self.world.device)
+        if self._indices is None:
+            self._indices = torch.arange(len(self.units), dtype=torch.int64,
+                                         device=self.world.device)
+        mine = self._indices[unit.index : unit.index + 1]
         out = torch.empty(self.world.world_size, dtype=torch.int64, device=self.world.device)
         self._tags.append((unit, out, self.world.all_gather(out, mine, async_op=True)))
         if len(self._tags) >= DEFERRED_TAGS:
@@ -173,7 +181,7 @@ class Runtime:
             return
         pending, self._tags = self._tags, []
         for _, _, handle in pending:
-            handle.wait()
+            handle.wait(host=True)  # the tags are read next
         rows = torch.stack([out for _, out, _ in pending]).tolist()
         for (unit, _, _), tags in zip(pending, rows):
             self._check_tags(unit, tags)
@@ -401,11 +409,9 @@ class Runtime:
     def _agree_on_used(self) -> None:
         """One small all-reduce: a parameter no rank produced a gradient for since the last
         step is left alone by the optimizer, as torch skips a parameter whose grad is None."""
-        flags = torch.tensor([u for unit in self.units for u in unit.used], dtype=torch.float32,
-                             device=self.units[0].grad_store.device)
-        if self.world.world_size > 1:
-            self.world.all_reduce_max(flags)
-        used = flags.tolist()
+        flags = from_host([u for unit in self.units for u in unit.used], torch.float32,
+                          self.units[0].grad_store.device)
+        used = self.world.all_reduce_max_to_host(flags)
         offset = 0
         for unit in self.units:
             unit.stepped = [bool(u) for u in used[offset : offset + len(unit.params)]]

@@ -9,6 +9,12 @@ on the owner, whole; owners are balanced by element count. Outside ``step`` an o
 copy of the parameter: the inner optimizer's tensors are handles whose storage is attached for
 the step and released after it. Exact for any optimizer whose update of a parameter depends
 only on that parameter (every torch optimizer but LBFGS).
+
+With the optimizer offloaded to host memory apart from the device (a GPU), the masters and
+gradients an exchange sends and the values it receives are host memory while the collective
+runs on the device: each exchange gathers what it sends into one pinned host buffer, moves it
+with one asynchronous copy each way through the engine's ``Transfers``, and the host waits for
+a copy only where it reads the values or reuses the buffer.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from torch import nn
 from ..comm.collectives import Communicator
 from ..core.flat import Slot
 from ..core.units import Unit
+from ..offload.transfers import DONE, Copy, Transfers
 from .inner import inner_groups, rebuild, state_record, sync_hyperparameters
 
 KNOWN_STATES = {"Muon": 1, "Adafactor": 0}
@@ -31,6 +38,8 @@ KNOWN_STATES = {"Muon": 1, "Adafactor": 0}
 Route = list[tuple[int, int, int]]
 """Pieces of one parameter a rank holds: (offset in the parameter, offset in the rank's
 shard, elements)."""
+Entry = tuple[int, int, int]
+"""One piece of a ``Route``."""
 
 
 @dataclass
@@ -57,6 +66,10 @@ class Placed:
     @property
     def name(self) -> str:
         return self.slot.name
+
+
+Arrival = tuple[Placed, Entry, int]
+"""What an exchange brings here: (parameter, route entry, elements)."""
 
 
 def balance(numels: list[int], ranks: int) -> list[int]:
@@ -101,6 +114,10 @@ class OwnerPart:
                           for rank, route in enumerate(pl.holds)]
         self.owned = [pl for pl in self.placed if pl.owner == comm.rank]
         self.dtype = units[0].param_store.master.dtype if units else torch.float32
+        self.chunks = self._chunks(self.placed)
+        """Each a run of parameters moved by one exchange; a step leaves out those it does
+        not update. Fixed, so that the largest exchange, and the staging for it, is known."""
+        self.staging = self._host_staging()
         params: list[list[torch.Tensor]] = [[] for _ in user.param_groups]
         for pl in self.owned:
             master = pl.unit.param_store.master
@@ -140,42 +157,99 @@ class OwnerPart:
         pl.handle.data = torch.empty(0, dtype=pl.handle.dtype, device=pl.handle.device)
 
     # ------------------------------------------------------------------ moving pieces
-    def _exchange(self, active: list[Placed], routes: str, pieces: Any) -> Iterator[
-            tuple[Placed, int, tuple[int, int, int], torch.Tensor]]:
-        """One all-to-all. Every rank sends, per destination rank d, ``pieces(pl, route)``
-        (tensors) for each active parameter, following ``routes`` ("sources": the pieces
-        each rank holds go to the owner; "holds": the owner sends each rank its pieces).
-        Yields what arrived here: (parameter, sending rank, route entry, values)."""
+    def _plan(self, active: list[Placed], to_owner: bool) -> tuple[
+            list[tuple[Placed, Entry]], list[int], list[int], list[list[Arrival]]]:
+        """One exchange as seen from this rank, following ``to_owner`` ("sources": the pieces
+        each rank holds go to the owner, gradient and master; else "holds": the owner sends
+        each rank its pieces): the route entries it sends, in send order; elements sent to and
+        received from each rank; per sending rank, (parameter, route entry, elements) of what
+        arrives, in arrival order."""
         me, ranks = self.comm.rank, self.comm.world_size
-        to_owner = routes == "sources"
-        send: list[torch.Tensor] = []
+        per = 2 if to_owner else 1
+        out: list[tuple[Placed, Entry]] = []
         send_counts, recv_counts = [0] * ranks, [0] * ranks
-        expected: list[list[tuple[Placed, tuple[int, int, int], int]]] = [[] for _ in range(ranks)]
+        expected: list[list[Arrival]] = [[] for _ in range(ranks)]
         for other in range(ranks):  # what goes to / comes from ``other``, in one fixed order
             for pl in active:
                 if to_owner:
-                    out = pl.sources[me] if pl.owner == other else []
+                    sends = pl.sources[me] if pl.owner == other else []
                     into = pl.sources[other] if pl.owner == me else []
                 else:
-                    out = pl.holds[other] if pl.owner == me else []
+                    sends = pl.holds[other] if pl.owner == me else []
                     into = pl.holds[me] if pl.owner == other else []
-                for entry in out:
-                    parts = pieces(pl, entry)
-                    send += parts
-                    send_counts[other] += sum(t.numel() for t in parts)
+                for entry in sends:
+                    out.append((pl, entry))
+                    send_counts[other] += entry[2] * per
                 for entry in into:
-                    width = entry[2] * (2 if to_owner else 1)
-                    expected[other].append((pl, entry, width))
-                    recv_counts[other] += width
-        device, dtype = self.comm.device, self.dtype
-        flat = (torch.cat([t.reshape(-1).to(device, dtype) for t in send]) if send else
-                torch.empty(0, dtype=dtype, device=device))
-        received = self.comm.all_to_all(flat, send_counts, recv_counts)
+                    expected[other].append((pl, entry, entry[2] * per))
+                    recv_counts[other] += entry[2] * per
+        return out, send_counts, recv_counts, expected
+
+    def _exchange(self, active: list[Placed], routes: str, pieces: Any) -> Iterator[
+            tuple[Placed, int, Entry, torch.Tensor]]:
+        """One all-to-all. Every rank sends, per destination rank d, ``pieces(pl, route)``
+        (tensors) for each active parameter, following ``routes`` (see ``_plan``). Yields what
+        arrived here: (parameter, sending rank, route entry, values); the values are valid
+        until the next exchange (they may be the host staging buffer)."""
+        out, send_counts, recv_counts, expected = self._plan(active, routes == "sources")
+        send = [t.reshape(-1) for pl, entry in out for t in pieces(pl, entry)]
+        received = self._all_to_all(send, send_counts, recv_counts)
         offset = 0
-        for sender in range(ranks):
-            for pl, entry, width in expected[sender]:
+        for sender, arrivals in enumerate(expected):
+            for pl, entry, width in arrivals:
                 yield pl, sender, entry, received[offset : offset + width]
                 offset += width
+
+    def _all_to_all(self, send: list[torch.Tensor], send_counts: list[int],
+                    recv_counts: list[int]) -> torch.Tensor:
+        if self.staging is not None:
+            return self._staged_all_to_all(send, send_counts, recv_counts)
+        device, dtype = self.comm.device, self.dtype
+        flat = (torch.cat([t.to(device, dtype) for t in send]) if send else
+                torch.empty(0, dtype=dtype, device=device))
+        return self.comm.all_to_all(flat, send_counts, recv_counts)
+
+    def _staged_all_to_all(self, send: list[torch.Tensor], send_counts: list[int],
+                           recv_counts: list[int]) -> torch.Tensor:
+        """The all-to-all of host pieces through the pinned staging buffer: one copy to the
+        device of everything sent, one back of everything received (a view of the buffer)."""
+        staging, transfers = self.staging, self.transfers
+        assert staging is not None
+        total = sum(send_counts)
+        flat = torch.empty(total, dtype=self.dtype, device=self.comm.device)
+        sent: Copy = DONE
+        if total:
+            offset = 0
+            for t in send:  # host to host: only pinned memory moves asynchronously
+                staging[offset : offset + t.numel()].copy_(t)
+                offset += t.numel()
+            sent = transfers.copy(flat, staging[:total])
+            sent.wait_device()  # the collective sends ``flat``
+        received = self.comm.all_to_all(flat, send_counts, recv_counts)
+        sent.wait_host()  # the buffer is written again below, or by the next exchange
+        landed = staging[: received.numel()]
+        if received.numel():
+            transfers.copy(landed, received).wait_host()  # read by the caller next
+        return landed
+
+    def _host_staging(self) -> torch.Tensor | None:
+        """With the optimizer offloaded to host memory: the pinned buffer every exchange
+        passes through, as large as the largest one sends or receives here (None: the
+        masters are device memory, the collective's own)."""
+        placement = self.placed[0].unit.param_store.placement if self.placed else None
+        if placement is None or not placement.offload_optimizer or placement.optimizer_disk:
+            return None
+        width = 0
+        for chunk in self.chunks:
+            for to_owner in (True, False):
+                _, send_counts, recv_counts, _ = self._plan(chunk, to_owner)
+                width = max(width, sum(send_counts), sum(recv_counts))
+        return self.transfers.host_empty(width, self.dtype)
+
+    @property
+    def transfers(self) -> Transfers:
+        """The engine's host<->device copies (every unit's)."""
+        return self.placed[0].unit.transfers
 
     def _chunks(self, active: list[Placed]) -> list[list[Placed]]:
         """Consecutive runs of parameters of at most ``chunk_numel`` elements (or one larger
@@ -193,7 +267,8 @@ class OwnerPart:
 
     def step(self) -> None:
         sync_hyperparameters(self.user, self.inner)
-        chunks = self._chunks([pl for pl in self.placed if pl.unit.stepped[pl.index]])
+        chunks = [run for run in ([pl for pl in chunk if pl.unit.stepped[pl.index]]
+                                  for chunk in self.chunks) if run]
 
         def grad_and_master(pl: Placed, entry: tuple[int, int, int]) -> list[torch.Tensor]:
             _, start, n = entry
@@ -254,9 +329,9 @@ class OwnerPart:
         """Every rank learns whether some owner's update failed (one scalar): all raise, the
         masters unchanged everywhere (the owner's update ran on copies)."""
         if self.comm.world_size > 1:
-            flag = torch.tensor([0.0 if error is None else self.comm.rank + 1.0],
-                                device=self.comm.device)
-            failed = int(self.comm.all_reduce_max(flag).item())
+            flag = torch.full((1,), 0.0 if error is None else self.comm.rank + 1.0,
+                              device=self.comm.device)
+            failed = int(self.comm.all_reduce_max_to_host(flag)[0])
         else:
             failed = 0 if error is None else 1
         if error is not None:
