@@ -217,7 +217,7 @@ def newest_checkpoint(root: str | None) -> str | None:
 
 
 def injected_fault(accelerator: Accelerator, step: int) -> None:
-    """Test seam (tests/test_accelerate.py): ``$ZS_FAULT_KILL_STEP`` / ``$ZS_FAULT_KILL_RANK``
+    """Test seam (tests/quick/test_accelerate.py): ``$ZS_FAULT_KILL_STEP`` / ``$ZS_FAULT_KILL_RANK``
     make that rank SIGKILL itself after that optimizer step, in the first attempt only
     (``$TORCHELASTIC_RESTART_COUNT`` 0), as a lost node would."""
     kill_at = os.environ.get("ZS_FAULT_KILL_STEP")

@@ -139,7 +139,7 @@ def copy_for_tests(path: Path, step: int) -> None:
 
 
 class InjectedFault(L.Callback):
-    """Test seam (tests/test_recipes.py): ``$ZS_FAULT_KILL_STEP`` and ``$ZS_FAULT_KILL_RANK``
+    """Test seam (tests/quick/test_recipes.py): ``$ZS_FAULT_KILL_STEP`` and ``$ZS_FAULT_KILL_RANK``
     make that rank SIGKILL itself right after that optimizer step, in the first attempt only
     (``$TORCHELASTIC_RESTART_COUNT`` 0), as a lost node would. Not installed otherwise."""
 

@@ -23,6 +23,7 @@ import torch
 from omegaconf import OmegaConf
 
 from recipes.comm_count import COUNTER
+from recipes.console import StepProgressBar, quiet_console
 from recipes.lifetime import (
     die_with_parent,
     end_at_once_on_sigterm,
@@ -78,6 +79,7 @@ def main(config_file: str) -> None:
     # A worker whose agent is gone (killed outright) has nobody to wait for it or restart it.
     die_with_parent(signal.SIGKILL)
     leave_preemption_to_the_launcher()
+    quiet_console()
     COUNTER.install()  # before any strategy holds a reference to a collective
     cfg = OmegaConf.load(config_file)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -106,9 +108,7 @@ def main(config_file: str) -> None:
     if fault is not None:
         callbacks.append(fault)
     if cfg.trainer.progress_bar:
-        from lightning.pytorch.callbacks import RichProgressBar
-
-        callbacks.append(RichProgressBar(leave=True))
+        callbacks.append(StepProgressBar(leave=True))
     trainer = L.Trainer(
         accelerator=cfg.trainer.accelerator, devices=int(cfg.trainer.devices),
         num_nodes=int(cfg.trainer.num_nodes),

@@ -1,8 +1,8 @@
 """MkDocs hook: one page per benchmark run, generated from the run's output file.
 
-Each ``docs/performance/runs/<name>.json`` is what ``recipes/bench_page.py`` makes of one run
-of the shared benchmark (``{"created", "command", "notes", "runs": [...]}``, one record per
-system x regime x precision). The hook renders each file as
+Each ``docs/performance/runs/<name>.json`` is what ``python bench/compare.py --matrix`` (or
+``--combine``) wrote for one benchmark run (``{"created", "command", "commit", "notes",
+"runs": [...]}``, one record per system x regime x precision). The hook renders each file as
 ``performance/<name>.md`` and lists the pages, newest first, on ``performance/index.md``, so
 the figures on the site are never typed by hand.
 """
@@ -43,8 +43,10 @@ def _cell(record: dict[str, Any], key: str, fmt: str) -> str:
 
 
 def render(data: dict[str, Any], name: str) -> str:
+    commit = f" at commit `{data['commit']}`" if data.get("commit") else ""
     lines = [f"# Benchmark run {name}", "", f"Written {data.get('created', 'at an unknown time')}"
-             f" from `docs/{RUNS}/{name}.json`; do not edit this page, rerun the benchmark.", ""]
+             f"{commit} from `docs/{RUNS}/{name}.json`; do not edit this page, rerun the"
+             " benchmark.", ""]
     if data.get("command"):
         lines += ["```bash", data["command"], "```", ""]
     for note in data.get("notes", []):

@@ -288,7 +288,7 @@ def _remove(path: Path) -> None:
 
 def _reached(point: str) -> None:
     """Test seam: the crash tests replace this to kill the process at a named point of
-    publishing (tests/test_checkpoint_faults.py). Does nothing otherwise."""
+    publishing (tests/quick/test_checkpoint_faults.py). Does nothing otherwise."""
 
 
 def _publish(root: Path, tmp: Path, tag: str) -> None:

@@ -18,7 +18,7 @@ different code (mixture-of-experts routing leaves an expert unused on one rank o
   (the in-flight window) never waits for a peer that waits for a gather this rank has not
   issued. Without it, which comes first on a rank when ranks run different modules (experts),
   a unit's completion or the next unit's gather, depends on its data, and two ranks could
-  hang each other (found by tests/space.py);
+  hang each other (found by tests/support/space.py);
 - stage-3 gathers follow the modules that run, so with ``check_gather_order`` each gather is
   preceded by a tiny all-gather of the unit's index, and ranks that disagree raise an error
   naming both units instead of exchanging the wrong shards or hanging. When the group

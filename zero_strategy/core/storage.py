@@ -7,7 +7,7 @@
 - ``alias_count``: how many tensors and storages share one storage (``_storage_Use_Count``),
   which detects a tensor taken out of ``gathered_parameters()`` before it can read freed memory.
 
-``tests/test_storage.py`` pins what each promises on the installed torch, so a torch that
+``tests/quick/test_storage.py`` pins what each promises on the installed torch, so a torch that
 changes either fails there, loudly, instead of corrupting memory in a training run.
 """
 

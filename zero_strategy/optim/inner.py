@@ -41,7 +41,7 @@ def _fused_is_exact(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any],
     - 16-bit tensors on the CPU: fused SGD updates some vector lanes wrongly (values of 1e38
       in its momentum, 0.8 off without it), and the other fused kernels round differently
       from the loop that one-process training runs (up to 2^-7 relative in bf16); fp32 agrees
-      to the last bit or two. Measured in tests/test_space.py's regression cases.
+      to the last bit or two. Measured in tests/quick/test_space.py's regression cases.
     """
     momentum = any(g.get("momentum", kwargs.get("momentum", 0)) for g in groups)
     if issubclass(cls, torch.optim.SGD) and momentum:
