@@ -78,20 +78,7 @@ SYSTEMS = {
 MATRIX = ["ddp", "torch_zero1", "fsdp2_zero2", "fsdp2_zero3", "ds_zero1", "ds_zero2", "ds_zero3",
           "zs_zero1", "zs_zero2", "zs_zero3"]
 PRECISIONS = ("fp32",)
-FORMULA_BYTES = (4, 4, 8)  # fp32 parameter, gradient, Adam's two moments: bytes per parameter
 MIB = 2**20
-
-
-def formula_bytes_per_param(stage: int, world: int) -> float:
-    """The ZeRO paper's model-state bytes per parameter on each of ``world`` ranks."""
-    p, g, k = FORMULA_BYTES
-    if stage == 0:
-        return p + g + k
-    if stage == 1:
-        return p + g + k / world
-    if stage == 2:
-        return p + (g + k) / world
-    return (p + g + k) / world
 
 
 @dataclass
@@ -381,7 +368,11 @@ def make_record(args: argparse.Namespace, variant: Variant, ranks: list[dict[str
     timed = step_s[args.warmup:]
     median = statistics.median(timed)
     states = [sum(r["state_bytes"].values()) for r in ranks]
-    formula = formula_bytes_per_param(SYSTEMS[args.system], world) * n_params
+    # The ZeRO paper's model-state bytes per rank for the system's stage (fp32 Adam: 4, 4 and
+    # 8 bytes per parameter), as the package computes it for its own reports.
+    from zero_strategy import estimate_memory
+
+    formula = estimate_memory(n_params, stage=SYSTEMS[args.system], world_size=world).total_bytes
     record = {
         "ok": True, "system": variant.name or args.system, "regime": args.regime,
         "precision": args.precision, "world_size": world, "n_params": n_params,

@@ -74,6 +74,22 @@ def process_started() -> float:
     return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
+def _callbacks(cfg: Any, metrics: JobMetrics, nodes: NodeAgreement | None,
+               checkpoint: Path) -> list[L.Callback]:
+    callbacks: list[L.Callback] = [EndAtOnceOnSigterm(), metrics]
+    if nodes is not None:
+        callbacks.insert(0, nodes)  # its checks come before anything is written
+    if int(cfg.trainer.checkpoint_every) > 0:
+        callbacks.append(PeriodicCheckpoint(checkpoint, int(cfg.trainer.checkpoint_every),
+                                            metrics))
+    fault = InjectedFault.from_env()  # tests only
+    if fault is not None:
+        callbacks.append(fault)
+    if cfg.trainer.progress_bar:
+        callbacks.append(StepProgressBar(leave=True))
+    return callbacks
+
+
 def main(config_file: str) -> None:
     entered = time.time()
     # A worker whose agent is gone (killed outright) has nobody to wait for it or restart it.
@@ -94,21 +110,11 @@ def main(config_file: str) -> None:
     # From the process's creation to main() are its imports (none when forked preloaded).
     metrics.startup.update(worker_process=process_started() - t0, worker_main=entered - t0,
                            model_built=time.time() - t0)
-    callbacks: list[L.Callback] = [EndAtOnceOnSigterm(), metrics]
     nodes = NodeAgreement(cfg, job) if int(cfg.trainer.num_nodes) > 1 else None
-    if nodes is not None:
-        callbacks.insert(0, nodes)  # its checks come before anything is written
     checkpoint = job / "checkpoints" / "last.ckpt"
-    if int(cfg.trainer.checkpoint_every) > 0:
-        callbacks.append(PeriodicCheckpoint(checkpoint, int(cfg.trainer.checkpoint_every),
-                                            metrics))
-    fault = InjectedFault.from_env()  # tests only
+    callbacks = _callbacks(cfg, metrics, nodes, checkpoint)
     # Lightning cannot see that the data module restores the epoch's position (resume.py).
     warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended")
-    if fault is not None:
-        callbacks.append(fault)
-    if cfg.trainer.progress_bar:
-        callbacks.append(StepProgressBar(leave=True))
     trainer = L.Trainer(
         accelerator=cfg.trainer.accelerator, devices=int(cfg.trainer.devices),
         num_nodes=int(cfg.trainer.num_nodes),

@@ -160,11 +160,16 @@ def _worker(module_file: str, out_dir: str) -> None:
             results[name] = {"error": traceback.format_exc()}
         path.write_text(json.dumps(results))  # partial results survive a later hang
         if times:
-            with open(times, "a") as f:
-                f.write(f"{time.perf_counter() - started:8.2f} {Path(module_file).stem} "
-                        f"N={dist.get_world_size()} {name}\n")
+            record_time(times, time.perf_counter() - started,
+                        f"{Path(module_file).stem} N={dist.get_world_size()} {name}")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def record_time(path: str, seconds: float, what: str) -> None:
+    """One line of ``ZS_SCENARIO_TIMES``: a scenario's seconds, then what it was."""
+    with open(path, "a") as f:
+        f.write(f"{seconds:8.2f} {what}\n")
 
 
 def check(result: list[Any]) -> list[Any]:

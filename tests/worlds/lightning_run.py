@@ -63,6 +63,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import zero_strategy as zs  # noqa: E402
 from tests.support import several_optimizers as so  # noqa: E402
+from tests.support.harness import record_time  # noqa: E402
 from tests.support.hostile import forge_framework_state, forge_traversal  # noqa: E402
 from tests.support.models import MLP  # noqa: E402
 from tests.worlds.lightning_fabric_scenarios import fabric_suite  # noqa: E402
@@ -93,8 +94,7 @@ class Results:
         (self.out / f"rank{rank()}.json").write_text(json.dumps(self.data))
         times = os.environ.get("ZS_SCENARIO_TIMES")  # as in tests/support/harness.py
         if times and rank() == 0:
-            with open(times, "a") as f:
-                f.write(f"{time.perf_counter() - started:8.2f} lightning_run {name}\n")
+            record_time(times, time.perf_counter() - started, f"lightning_run {name}")
 
 
 # ---------------------------------------------------------------------- model and data
