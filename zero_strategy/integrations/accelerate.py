@@ -79,7 +79,7 @@ import re
 import types
 import typing
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -388,6 +388,9 @@ class ZeroAccelerator(Accelerator):
         """The model trained by ZeRO is the one the optimizer(s) were built on, passed in the
         same call (several optimizers: one engine over all of them, one wrapper each); data
         loaders, schedulers and any other model get Accelerate's own preparation."""
+        again = self._prepared_again(args)
+        if again is not None:
+            return again
         found = self._zero_positions(args)
         if found is None:
             return super().prepare(*args, device_placement=device_placement)
@@ -407,6 +410,19 @@ class ZeroAccelerator(Accelerator):
             for i, obj in zip(rest, prepared):
                 results[i] = obj
         return tuple(results) if len(results) > 1 else results[0]
+
+    def _prepared_again(self, args: tuple[Any, ...]) -> Any:
+        """The objects ``prepare`` already returned, when it is given the ZeRO model (or its
+        wrapper) and its optimizer wrappers again, as a loop that prepares on every run does
+        (``transformers.Trainer.train()`` called twice); None for anything else."""
+        zero = self._zero_model
+        if zero is None or not args:
+            return None
+        mine = {id(zero), id(zero.module), *(id(o) for o in self._zero_optimizers)}
+        if not all(id(a) in mine for a in args):
+            return None
+        out = tuple(zero if isinstance(a, nn.Module) else a for a in args)
+        return out if len(out) > 1 else out[0]
 
     def _zero_positions(self, args: tuple[Any, ...]) -> tuple[int, list[int]] | None:
         """Positions of the model and its optimizers for the engine, or None when the call has
@@ -542,14 +558,20 @@ class ZeroAccelerator(Accelerator):
             return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
         with self._zero_objects_hidden():
             location = super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+        self.save_zero_checkpoint(Path(location))
+        return Path(location)
+
+    def save_zero_checkpoint(self, folder: str | os.PathLike[str]) -> Path:
+        """The engine's sharded model and optimizer (and the optimizer's param groups) in
+        ``folder/zero_checkpoint``; every rank calls it, and it returns once all have written."""
         # Schedulers restore their own fields but not the optimizer's lr: keep the groups too.
         groups = [{k: v for k, v in g.items() if k != "params"}
                   for g in self.engine.user_optimizer.param_groups]
         # A fixed tag: saving into the same folder again replaces it, as Accelerate's files are.
-        self.engine.save_checkpoint(Path(location) / CHECKPOINT_SUBDIR, tag=CHECKPOINT_TAG,
+        self.engine.save_checkpoint(Path(folder) / CHECKPOINT_SUBDIR, tag=CHECKPOINT_TAG,
                                     client_state={"param_groups": groups})
         self.wait_for_everyone()  # nobody reads or prunes the folder before every rank wrote
-        return Path(location)
+        return Path(folder) / CHECKPOINT_SUBDIR
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None,
                    **load_model_func_kwargs: Any) -> None:
@@ -563,30 +585,41 @@ class ZeroAccelerator(Accelerator):
         folder = Path(self._checkpoint_dir(input_dir))
         _check_state_folder(folder)
         custom = _read_custom_states(folder, len(self._custom_objects))
+
+        def restore_accelerate() -> None:
+            with self._zero_objects_hidden(), _custom_states_from(custom):
+                Accelerator.load_state(self, str(folder), load_kwargs, **load_model_func_kwargs)
+
+        self.load_zero_checkpoint(folder, then=restore_accelerate)
+
+    def load_zero_checkpoint(self, folder: str | os.PathLike[str],
+                             then: Callable[[], None] | None = None) -> None:
+        """Validate, then restore the engine from ``folder/zero_checkpoint`` (or DeepSpeed's or
+        DCP's files in ``folder`` itself), then the optimizer's param groups saved beside ours.
+        ``then()`` runs once every check passed and before the engine changes, so its refusal
+        leaves the engine as it was."""
+        folder = Path(folder)
         # A folder Accelerate's DeepSpeed integration saved holds DeepSpeed's own checkpoint
         # (``latest`` and a ``pytorch_model`` tag) beside Accelerate's files, its FSDP
         # integration two DCP directories (model and optimizer): either is read in place.
         source = folder / CHECKPOINT_SUBDIR
         if not source.exists() and ((folder / "latest").is_file() or dcp_directories(folder)):
             source = folder
+        current = self.engine.user_optimizer.param_groups
 
-        def restore_accelerate(client: dict[str, Any] | None, kind: str) -> None:
-            groups = (client or {}).get("param_groups", [])
-            if kind != "zero_strategy":
-                groups = self.engine.user_optimizer.param_groups  # the engine restored them
-            if len(groups) != len(self.engine.user_optimizer.param_groups):
-                raise CheckpointError(
-                    f"{folder}: saved with {len(groups)} optimizer param groups, the optimizer "
-                    f"has {len(self.engine.user_optimizer.param_groups)}")
-            with self._zero_objects_hidden(), _custom_states_from(custom):
-                Accelerator.load_state(self, str(folder), load_kwargs, **load_model_func_kwargs)
+        def before_commit(client: dict[str, Any] | None, kind: str) -> None:
+            # DeepSpeed's and DCP's groups are restored by the engine itself.
+            groups = (client or {}).get("param_groups", []) if kind == "zero_strategy" else current
+            if len(groups) != len(current):
+                raise CheckpointError(f"{folder}: saved with {len(groups)} optimizer param "
+                                      f"groups, the optimizer has {len(current)}")
+            if then is not None:
+                then()
 
-        client = checkpoint_read.load(self.engine, source,
-                                      before_commit=restore_accelerate) or {}
+        client = checkpoint_read.load(self.engine, source, before_commit=before_commit) or {}
         if source == folder:
             return  # DeepSpeed's client state is not ours: its groups were restored already
-        for group, saved in zip(self.engine.user_optimizer.param_groups,
-                                client.get("param_groups", [])):
+        for group, saved in zip(current, client.get("param_groups", [])):
             group.update(saved)
 
     def _checkpoint_dir(self, input_dir: str | None) -> str:

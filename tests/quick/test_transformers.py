@@ -1,0 +1,64 @@
+"""transformers.Trainer under ZeRO, its smallest end-to-end case: ``ZeroTrainer`` at stage 3 on
+2 CPU processes against plain ``Trainer`` (DDP) with accumulation, clipping, a warm-up + cosine
+schedule, evaluation, checkpoints, ``save_model`` and ``predict``; resuming from
+``checkpoint-2``; and what is refused before training. Stages 1-2, offload, TRL + LoRA,
+``generate`` and the rest: tests/integration/test_transformers_trainer.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support import trainer_checks as C
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return C.launch(tmp_path_factory.mktemp("trainer"), ["fit_ddp", "fit_z3", "resume_z3"])
+
+
+def test_zero3_trainer_matches_ddp_trainer(runs: dict) -> None:
+    C.assert_matches_ddp(runs["fit_ddp"], runs["fit_z3"], "zero3")
+
+
+def test_checkpoint_holds_trainer_files_and_the_sharded_state(runs: dict) -> None:
+    C.assert_checkpoint_layout(C.ok(runs["fit_z3"])["run"])
+
+
+def test_resume_from_checkpoint_equals_uninterrupted_run(runs: dict) -> None:
+    C.assert_resume_equals_uninterrupted(runs["fit_z3"], runs["resume_z3"], "zero3")
+
+
+def test_plain_trainer_on_cpu_is_really_distributed(runs: dict) -> None:
+    """The reference must be a 2-process DDP run: without use_cpu=True Trainer silently runs
+    one single process per rank on a machine without GPUs. Each rank sees half the rows, so
+    an epoch of 32 rows in micro-batches of 4 with accumulation 2 is 2 optimizer steps."""
+    assert C.ok(runs["fit_ddp"])["checkpoints"] == ["checkpoint-2", "checkpoint-4"]
+
+
+def test_options_the_integration_replaces_are_refused_by_name(tmp_path: Path) -> None:
+    from transformers import TrainingArguments
+
+    from tests.worlds.transformers_run import Tokens, tiny_gpt2
+    from zero_strategy.transformers import ZeroPlugin, ZeroTrainer
+
+    for field, value in [("torch_compile", True), ("save_only_model", True),
+                         ("bf16_full_eval", True)]:
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                                 **{field: value})
+        with pytest.raises(ValueError, match=field):
+            ZeroTrainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(),
+                        zero_plugin=ZeroPlugin(stage=3))
+
+
+def test_with_zero_makes_one_subclass_per_trainer_class() -> None:
+    from transformers import Seq2SeqTrainer, Trainer
+
+    from zero_strategy.transformers import ZeroTrainer, with_zero
+
+    zs = with_zero(Seq2SeqTrainer)
+    assert zs is with_zero(Seq2SeqTrainer) and issubclass(zs, Seq2SeqTrainer)
+    assert with_zero(ZeroTrainer) is ZeroTrainer and issubclass(ZeroTrainer, Trainer)
+    with pytest.raises(TypeError, match="Trainer subclass"):
+        with_zero(dict)

@@ -1,0 +1,150 @@
+"""Trainer runs for the transformers integration's tests, launched under torchrun (N CPU
+processes, gloo): ``python -m torch.distributed.run --nproc_per_node N this.py --out DIR
+--only a,b``. Each named scenario trains a tiny GPT-2 (or TRL's SFTTrainer with a LoRA
+adapter) under plain ``Trainer`` (DDP) or a ZeRO Trainer, in one launch, and rank 0 writes
+``DIR/<scenario>.json``; the tests compare scenarios with each other and with single-process
+references (tests/support/trainer_checks.py)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+from zero_strategy.transformers import ZeroPlugin, ZeroTrainer, with_zero
+
+SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {}
+VOCAB = 64
+STEPS = 4
+MODES = {  # name: ZeroPlugin options, None for plain Trainer (DDP)
+    "ddp": None, "z1": {"stage": 1}, "z2": {"stage": 2}, "z3": {"stage": 3},
+    "z3off": {"stage": 3, "offload_optimizer": True, "offload_params": True},
+}
+
+
+class Tokens(Dataset):
+    """Fixed random token rows (the same on every rank; the sampler splits them)."""
+
+    def __init__(self, n: int = 32, seq: int = 16, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.rows = torch.randint(0, VOCAB, (n, seq), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2,
+                                      n_head=2))
+
+
+def arguments(out: Path, **overrides: Any) -> TrainingArguments:
+    values = dict(output_dir=str(out), per_device_train_batch_size=4, per_device_eval_batch_size=4,
+                  gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=1e-3,
+                  logging_steps=1, report_to=[], seed=0, max_grad_norm=0.5,
+                  lr_scheduler_type="cosine", warmup_steps=1, dataloader_drop_last=True,
+                  disable_tqdm=True, use_cpu=True, save_strategy="no")
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+def trainer_for(mode: str, cls: type = Trainer, **kwargs: Any) -> Trainer:
+    options = MODES[mode]
+    if options is None:
+        return cls(**kwargs)
+    trainer_class = ZeroTrainer if cls is Trainer else with_zero(cls)
+    return trainer_class(zero_plugin=ZeroPlugin(**options), **kwargs)
+
+
+def history(trainer: Trainer) -> dict[str, Any]:
+    logs = trainer.state.log_history
+    return {"loss": [h["loss"] for h in logs if "loss" in h],
+            "grad_norm": [h["grad_norm"] for h in logs if "grad_norm" in h],
+            "eval_loss": [h["eval_loss"] for h in logs if "eval_loss" in h],
+            "lr": [h["learning_rate"] for h in logs if "learning_rate" in h]}
+
+
+def scenario(fn: Callable[[Path], dict[str, Any]]) -> Callable[[Path], dict[str, Any]]:
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+# ---------------------------------------------------------------------------------- fit
+def _fit(mode: str, out: Path) -> dict[str, Any]:
+    """Train with accumulation, clipping, a warm-up + cosine schedule, evaluation and a
+    checkpoint every 2 steps; then save_model and predict."""
+    run = out / f"fit_{mode}"
+    trainer = trainer_for(mode, model=tiny_gpt2(), train_dataset=Tokens(),
+                          eval_dataset=Tokens(8, seed=1),
+                          args=arguments(run, eval_strategy="steps", eval_steps=2,
+                                         save_strategy="steps", save_steps=2))
+    trainer.train()
+    trainer.save_model(str(run / "final"))
+    predictions = trainer.predict(Tokens(8, seed=2))
+    torch.save(torch.as_tensor(predictions.predictions), run / "predictions.pt")
+    return {**history(trainer), "final": str(run / "final"), "run": str(run),
+            "predictions": str(run / "predictions.pt"),
+            "test_loss": predictions.metrics["test_loss"],
+            "checkpoints": sorted(p.name for p in run.glob("checkpoint-*"))}
+
+
+def _resume(mode: str, out: Path) -> dict[str, Any]:
+    """The fit run again from its checkpoint-2 (written under ``mode``), to the same end."""
+    run = out / f"resume_{mode}"
+    trainer = trainer_for(mode, model=tiny_gpt2(), train_dataset=Tokens(),
+                          eval_dataset=Tokens(8, seed=1),
+                          args=arguments(run, eval_strategy="steps", eval_steps=2))
+    trainer.train(resume_from_checkpoint=str(out / f"fit_{mode}" / "checkpoint-2"))
+    trainer.save_model(str(run / "final"))
+    return {**history(trainer), "final": str(run / "final")}
+
+
+for _mode in MODES:
+    SCENARIOS[f"fit_{_mode}"] = functools.partial(_fit, _mode)
+    SCENARIOS[f"resume_{_mode}"] = functools.partial(_resume, _mode)
+
+
+# ---------------------------------------------------------------------------------- main
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--only", required=True, help="comma-separated scenario names, in order")
+    opts = parser.parse_args()
+    opts.out.mkdir(parents=True, exist_ok=True)
+    for name in opts.only.split(","):
+        start = time.perf_counter()
+        try:
+            result = SCENARIOS[name](opts.out)
+        except Exception:
+            result = {"error": traceback.format_exc()}
+        result["seconds"] = round(time.perf_counter() - start, 2)
+        if int(os.environ.get("RANK", "0")) == 0 or "error" in result:
+            rank = os.environ.get("RANK", "0")
+            suffix = "" if rank == "0" else f".rank{rank}"
+            (opts.out / f"{name}{suffix}.json").write_text(json.dumps(result))
+        if "error" in result:
+            print(result["error"], file=sys.stderr)
+        if dist.is_initialized():
+            dist.barrier()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""``transformers.Trainer`` (and every subclass: TRL's trainers, ``Seq2SeqTrainer``) trained by
+ZeroEngine.
+
+``Trainer`` builds its own ``Accelerator`` and branches on DeepSpeed and FSDP wherever the
+model's weights are saved, loaded or unwrapped; a Trainer that does not know the model is
+sharded would save one rank's shard (or freed stage-3 placeholders) as "the model". So the
+integration is a subclass that replaces exactly those places and leaves the training loop,
+logging, evaluation, callbacks and data handling to ``Trainer``:
+
+- the accelerator is a ``ZeroAccelerator`` (the options come from ``zero_plugin=``, else the
+  plugin file named by ``$ZERO_STRATEGY_CONFIG``; precision from ``TrainingArguments``'
+  ``bf16``/``fp16`` unless the plugin sets one, and a contradiction is refused);
+- the model is never moved whole onto the device: the engine places its shards;
+- at stage 3, parameters the optimizer Trainer builds would leave out (a frozen base under a
+  LoRA adapter) join it in a group of their own with lr 0, so they are sharded like the rest;
+  being frozen, they get no gradient and no optimizer state;
+- ``checkpoint-N/`` holds the consolidated weights (``save_pretrained``'s files), our sharded
+  model and optimizer in ``zero_checkpoint/``, and Trainer's own scheduler, RNG and
+  ``trainer_state.json``; ``resume_from_checkpoint`` reads the sharded copy, on any world size;
+- ``save_model()`` consolidates on every rank (a collective) and rank 0 writes what
+  ``save_pretrained`` writes (for a PEFT model, the adapter only);
+- at stage 3 with several processes, ``generate()`` keeps the ranks in step
+  (transformers' ``synced_gpus``), since every forward gathers parameters from all ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import transformers.trainer as trainer_module
+from torch import nn
+from transformers import Trainer
+
+from ..checkpoint.verify import member
+from ..comm import collectives
+from .accelerate import CHECKPOINT_SUBDIR, ZeroAccelerator, ZeroPlugin
+
+SCHEDULER_FILE = "scheduler.pt"
+"""Trainer's name for the LR scheduler's state inside ``checkpoint-N``."""
+
+T = TypeVar("T", bound=type)
+
+# TrainingArguments fields whose feature the integration replaces or cannot honour, with why.
+_REFUSED_ARGS = {
+    "deepspeed": "DeepSpeed would shard the model a second time",
+    "fsdp": "FSDP would shard the model a second time",
+    "torch_compile": "the ZeRO model is not compiled by Trainer (compile the model's blocks "
+                     "yourself before passing it)",
+    "fp16_full_eval": "evaluation runs in the engine's precision",
+    "bf16_full_eval": "evaluation runs in the engine's precision",
+}
+
+
+class _TrainerAccelerator(ZeroAccelerator):
+    """``ZeroAccelerator`` as ``Trainer`` drives it: Trainer frees the accelerator's objects at
+    the start of every ``train()`` and prepares the model and optimizer again; the engine (the
+    sharded weights and optimizer state) must survive that, so ``free_memory()`` keeps it and
+    ``prepare`` hands the same wrappers back."""
+
+    def free_memory(self, *objects: Any) -> Any:
+        if objects or self._zero_model is None:
+            return super().free_memory(*objects)
+        kept_models = [m for m in self._models if m is self._zero_model]
+        kept_optimizers = [o for o in self._optimizers
+                           if any(o is z for z in self._zero_optimizers)]
+        self._schedulers, self._dataloaders = [], []
+        self._models, self._optimizers = kept_models, kept_optimizers
+        return None
+
+
+class ZeroTrainerMixin:
+    """What ``with_zero`` adds to a ``Trainer`` class (see the module docstring)."""
+
+    def __init__(self, *args: Any, zero_plugin: ZeroPlugin | None = None, **kwargs: Any) -> None:
+        # Trainer.__init__ builds the accelerator, which needs the plugin: set it first.
+        self.zero_plugin = zero_plugin if zero_plugin is not None else ZeroPlugin.from_config()
+        super().__init__(*args, **kwargs)
+
+    # ------------------------------------------------------------------ accelerator
+    def create_accelerator_and_postprocess(self) -> None:
+        _refuse_unsupported(self.args)
+        build = functools.partial(_TrainerAccelerator, zero_plugin=self.zero_plugin)
+        with _trainer_builds(build):
+            super().create_accelerator_and_postprocess()
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        """The engine moves each unit to the device as it shards it; moving the model whole
+        first would put every parameter on every rank's device."""
+
+    @property
+    def zero_engine(self) -> Any:
+        """The ``ZeroEngine`` training the model (None until ``train()`` prepared it)."""
+        return getattr(self.accelerator, "_zero_model", None) and self.accelerator.engine
+
+    # ------------------------------------------------------------------ optimizer
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        created = self.optimizer is None
+        optimizer = super().create_optimizer(model)
+        if created and self.accelerator.zero_config.stage == 3:
+            _shard_frozen_too(model if model is not None else self.model, optimizer)
+        return optimizer
+
+    def _prepare_for_training(self, max_steps: int, train_dataloader: Any,
+                              resume_from_checkpoint: str | None) -> Any:
+        model, loader = super()._prepare_for_training(max_steps, train_dataloader,
+                                                      resume_from_checkpoint)
+        engine = self.zero_engine
+        if engine is not None and engine.config.stage == 3 and collectives.group_size() > 1:
+            # transformers reads this to run generate() with synced_gpus (every rank keeps
+            # calling forward until all are done) and to keep layer-drop the same on every
+            # rank: both are what a model whose forward gathers from all ranks needs.
+            self.model._is_fsdp_managed_module = True
+        return model, loader
+
+    # ------------------------------------------------------------------ saving
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The consolidated weights in ``save_pretrained``'s format (a collective: call it on
+        every rank; Trainer's own callers do)."""
+        engine = self.zero_engine
+        if engine is None:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state_dict = engine.full_state_dict()
+        self._save(output_dir, state_dict=state_dict)
+        self.accelerator.wait_for_everyone()
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.zero_engine is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        self.accelerator.save_zero_checkpoint(output_dir)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+        return None
+
+    def _save_scaler(self, output_dir: str) -> None:
+        """fp16 loss scaling is the engine's, saved in ``zero_checkpoint``."""
+        if self.zero_engine is None:
+            super()._save_scaler(output_dir)
+
+    # ------------------------------------------------------------------ resuming
+    def _load_from_checkpoint(self, resume_from_checkpoint: str,
+                              model: nn.Module | None = None) -> None:
+        """Before the engine exists, Trainer loads a checkpoint's weights into the plain model;
+        a checkpoint with our sharded copy is read after ``prepare`` instead (exact fp32
+        masters, any world size). A plain Trainer checkpoint (from DDP) loads as Trainer
+        loads it."""
+        if _zero_folder(resume_from_checkpoint) is None:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        if self.zero_engine is None or _zero_folder(checkpoint) is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        scheduler_file = Path(checkpoint) / SCHEDULER_FILE
+        state: dict[str, Any] = {}
+
+        def read_scheduler() -> None:
+            # Read once every check of the engine's files passed, before anything changes.
+            if scheduler_file.exists():
+                member(Path(checkpoint), scheduler_file, "LR scheduler state")
+                state.update(torch.load(scheduler_file, map_location="cpu", weights_only=True))
+
+        self.accelerator.load_zero_checkpoint(checkpoint, then=read_scheduler)
+        if state:
+            self.lr_scheduler.load_state_dict(state)
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        if self.zero_engine is None:
+            super()._load_scaler(checkpoint)
+
+    def _load_best_model(self) -> None:
+        """The best checkpoint's sharded copy when it has one (exact masters)."""
+        best = self.state.best_model_checkpoint
+        if self.zero_engine is None or best is None or _zero_folder(best) is None:
+            return super()._load_best_model()
+        self.zero_engine.load_checkpoint(Path(best) / CHECKPOINT_SUBDIR, load_optimizer=False)
+        return None
+
+
+def with_zero(trainer_class: T) -> T:
+    """``trainer_class`` (``transformers.Trainer`` or a subclass, e.g. TRL's ``SFTTrainer``)
+    trained by ZeroEngine: a subclass taking ``zero_plugin=`` beside its own arguments."""
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
+        raise TypeError(f"with_zero takes a transformers.Trainer subclass, got {trainer_class!r}")
+    if issubclass(trainer_class, ZeroTrainerMixin):
+        return trainer_class
+    return _zero_class(trainer_class)
+
+
+@functools.cache
+def _zero_class(trainer_class: type) -> type:
+    # Cached, so with_zero(SFTTrainer) is one class however often it is called (pickling and
+    # isinstance checks see the same class).
+    return type(f"Zero{trainer_class.__name__}", (ZeroTrainerMixin, trainer_class),
+                {"__module__": __name__, "__doc__": trainer_class.__doc__})
+
+
+class ZeroTrainer(ZeroTrainerMixin, Trainer):
+    """``transformers.Trainer`` trained by ZeroEngine; takes ``zero_plugin=ZeroPlugin(...)``
+    beside Trainer's arguments (without it, the plugin file in ``$ZERO_STRATEGY_CONFIG``)."""
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _refuse_unsupported(args: Any) -> None:
+    for field, why in _REFUSED_ARGS.items():
+        if getattr(args, field, None):
+            raise ValueError(f"TrainingArguments({field}=...) cannot be combined with a ZeRO "
+                             f"Trainer: {why}; leave {field} unset")
+    if getattr(args, "n_gpu", 1) > 1:
+        raise ValueError(f"TrainingArguments: {args.n_gpu} GPUs in one process (DataParallel) "
+                         "is not supported by a ZeRO Trainer; launch one process per GPU "
+                         "(torchrun or accelerate launch)")
+    if getattr(args, "save_only_model", False):
+        raise ValueError("TrainingArguments(save_only_model=True) is not supported by a ZeRO "
+                         "Trainer: a checkpoint without the sharded optimizer cannot be "
+                         "resumed; leave save_only_model unset")
+
+
+def _shard_frozen_too(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Frozen parameters outside the optimizer stay whole on every rank (the engine only shards
+    what an optimizer holds); at stage 3 they join it in a group of their own, with lr 0 so
+    that no scheduler or weight decay can move them even if one is unfrozen by mistake."""
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    seen: set[int] = set()
+    frozen = []
+    for p in model.parameters():
+        if id(p) not in held and id(p) not in seen and not p.requires_grad:
+            seen.add(id(p))
+            frozen.append(p)
+    if frozen:
+        optimizer.add_param_group({"params": frozen, "lr": 0.0, "weight_decay": 0.0})
+
+
+def _zero_folder(checkpoint: str) -> Path | None:
+    folder = Path(checkpoint) / CHECKPOINT_SUBDIR
+    return folder if folder.is_dir() else None
+
+
+@contextlib.contextmanager
+def _trainer_builds(factory: Any) -> Iterator[None]:
+    """``Trainer.create_accelerator_and_postprocess`` builds ``Accelerator(**args)`` by the
+    name it imported; for that one call the name means ``factory``, so the rest of Trainer's
+    set-up (gradient accumulation plugin, data loader config, flags) stays its own."""
+    original = trainer_module.Accelerator
+    trainer_module.Accelerator = factory
+    try:
+        yield
+    finally:
+        trainer_module.Accelerator = original
+
+
+__all__ = ["ZeroTrainer", "ZeroTrainerMixin", "with_zero"]
