@@ -29,9 +29,14 @@ SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {}
 VOCAB = 64
 STEPS = 4
 MODES = {  # name: ZeroPlugin options, None for plain Trainer (DDP)
-    "ddp": None, "z1": {"stage": 1}, "z2": {"stage": 2}, "z3": {"stage": 3},
-    "z3off": {"stage": 3, "offload_optimizer": True, "offload_params": True},
+    "ddp": None, "z0": {"stage": 0}, "z1": {"stage": 1}, "z2": {"stage": 2},
+    # Threshold 0: every parameter of this tiny model is under the default 10,000 elements
+    # and would otherwise stay whole; stage 3 must really gather each one.
+    "z3": {"stage": 3, "param_persistence_threshold": 0},
+    "z3off": {"stage": 3, "param_persistence_threshold": 0, "offload_optimizer": True,
+              "offload_params": True},
 }
+GENERATE_RANKS_NEW_TOKENS = (3, 9)  # ranks stop at different lengths: synced_gpus must hold
 
 
 class Tokens(Dataset):
@@ -48,20 +53,21 @@ class Tokens(Dataset):
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
-def tiny_gpt2() -> GPT2LMHeadModel:
+def tiny_gpt2(dropout: float = 0.1) -> GPT2LMHeadModel:
     torch.manual_seed(0)
     return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2,
-                                      n_head=2))
+                                      n_head=2, resid_pdrop=dropout, embd_pdrop=dropout,
+                                      attn_pdrop=dropout))
 
 
-def arguments(out: Path, **overrides: Any) -> TrainingArguments:
+def arguments(out: Path, cls: type = TrainingArguments, **overrides: Any) -> TrainingArguments:
     values = dict(output_dir=str(out), per_device_train_batch_size=4, per_device_eval_batch_size=4,
                   gradient_accumulation_steps=2, max_steps=STEPS, learning_rate=1e-3,
                   logging_steps=1, report_to=[], seed=0, max_grad_norm=0.5,
                   lr_scheduler_type="cosine", warmup_steps=1, dataloader_drop_last=True,
                   disable_tqdm=True, use_cpu=True, save_strategy="no")
     values.update(overrides)
-    return TrainingArguments(**values)
+    return cls(**values)
 
 
 def trainer_for(mode: str, cls: type = Trainer, **kwargs: Any) -> Trainer:
@@ -118,6 +124,116 @@ def _resume(mode: str, out: Path) -> dict[str, Any]:
 for _mode in MODES:
     SCENARIOS[f"fit_{_mode}"] = functools.partial(_fit, _mode)
     SCENARIOS[f"resume_{_mode}"] = functools.partial(_resume, _mode)
+
+
+# ---------------------------------------------------------------------------------- TRL + LoRA
+WORDS = [f"w{i}" for i in range(VOCAB - 3)]
+
+
+def word_tokenizer() -> Any:
+    """A word-level tokenizer built in code (no download): TRL's SFTTrainer needs one."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    core = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>")
+
+
+def texts(n: int = 32, seed: int = 0) -> Any:
+    from datasets import Dataset as HFDataset
+
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randint(0, len(WORDS), (n, 12), generator=g)
+    return HFDataset.from_dict({"text": [" ".join(WORDS[i] for i in r) for r in rows.tolist()]})
+
+
+def _sft_lora(mode: str, out: Path) -> dict[str, Any]:
+    """TRL's SFTTrainer with a LoRA adapter on a frozen GPT-2 base."""
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    run = out / f"sft_{mode}"
+    # TRL turns activation checkpointing on by default: kept, it is part of what is tested.
+    config = arguments(run, SFTConfig, max_length=16, packing=False)
+    trainer = trainer_for(mode, SFTTrainer, model=tiny_gpt2(), args=config,
+                          train_dataset=texts(), processing_class=word_tokenizer(),
+                          peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                 target_modules=["c_attn", "c_proj"],
+                                                 fan_in_fan_out=True))
+    trainer.train()
+    trainer.save_model(str(run / "adapter"))
+    result = {**history(trainer), "adapter": str(run / "adapter")}
+    engine = getattr(trainer, "zero_engine", None)
+    if engine is not None:
+        report = engine.memory_report()
+        trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        result.update(optimizer_state_elements=_state_elements(engine), trainable=trainable,
+                      report={k: v for k, v in report.items() if isinstance(v, (int, float))},
+                      world=dist.get_world_size())
+    return result
+
+
+def _state_elements(engine: Any) -> int:
+    """Optimizer state elements this rank holds, summed over ranks."""
+    held = 0
+    for part in engine.optimizer.parts:
+        for state in part.inner.state.values():
+            held += sum(v.numel() for v in state.values()
+                        if isinstance(v, torch.Tensor) and v.dim() > 0)
+    total = torch.tensor([held])
+    dist.all_reduce(total)
+    return int(total.item())
+
+
+for _mode in MODES:
+    SCENARIOS[f"sft_{_mode}"] = functools.partial(_sft_lora, _mode)
+
+
+# ---------------------------------------------------------------------------------- generate
+def _generate(mode: str, out: Path) -> dict[str, Any]:
+    """After training, each rank generates greedily from its own prompt for its own number of
+    tokens; the unsharded model (the consolidated weights in a plain copy, generating alone)
+    must produce the same tokens. Counts parameter gathers per forward at stage 3."""
+    trainer = trainer_for(mode, model=tiny_gpt2(), train_dataset=Tokens(), args=arguments(
+        out / f"generate_{mode}", max_steps=2))
+    trainer.train()
+    rank = dist.get_rank()
+    prompt = Tokens(2, seq=5, seed=7).rows[rank : rank + 1]
+    new = GENERATE_RANKS_NEW_TOKENS[rank % len(GENERATE_RANKS_NEW_TOKENS)]
+    model = trainer.model.eval()
+    engine = getattr(trainer, "zero_engine", None)
+    forwards = []
+    handle = model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    before = dict(engine.shards.bytes_sent) if engine is not None else {}
+    start = time.perf_counter()
+    with torch.no_grad():
+        tokens = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                pad_token_id=0)
+    seconds = time.perf_counter() - start
+    handle.remove()
+    after = dict(engine.shards.bytes_sent) if engine is not None else {}
+    reference = tiny_gpt2().eval()
+    state = engine.full_state_dict() if engine is not None else trainer.model.state_dict()
+    reference.load_state_dict(state)
+    with torch.no_grad():
+        expected = reference.generate(prompt, max_new_tokens=new, min_new_tokens=new,
+                                      do_sample=False, pad_token_id=0, synced_gpus=False)
+    equal = torch.tensor([int(torch.equal(tokens, expected))])
+    dist.all_reduce(equal)
+    gathered = {k: after[k] - before.get(k, 0) for k in after}
+    param_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
+    return {"ranks_equal": int(equal.item()), "world": dist.get_world_size(),
+            "forwards": len(forwards), "new_tokens": new, "comm": gathered,
+            "param_bytes": param_bytes, "tokens_per_s": new / seconds}
+
+
+for _mode in ("ddp", "z2", "z3"):
+    SCENARIOS[f"generate_{_mode}"] = functools.partial(_generate, _mode)
 
 
 # ---------------------------------------------------------------------------------- main

@@ -109,7 +109,16 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+    # safetensors refuses two keys over one storage: a frozen tied embedding (a LoRA base at
+    # stages 0-2, where frozen parameters stay whole) is written once per key instead.
+    seen: set[tuple[int, int]] = set()
+    out = {}
+    for key, value in tensors.items():
+        value = value.detach().contiguous().cpu()
+        where = (value.untyped_storage().data_ptr(), value.storage_offset())
+        out[key] = value.clone() if where in seen and value.numel() else value
+        seen.add(where)
+    save_file(out, str(path))
     with open(path, "rb") as f:
         os.fsync(f.fileno())
     return {"bytes": path.stat().st_size, "sha256": _sha256(path)}

@@ -1,0 +1,104 @@
+"""transformers.Trainer under ZeRO beyond the quick tier's stage-3 case: stages 1 and 2 and
+stage 3 with CPU offload against plain Trainer (DDP), each resumed from checkpoint-2; TRL's
+SFTTrainer with a LoRA adapter on a frozen, sharded base; and ``generate()`` at stage 3 with
+ranks that stop at different lengths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support import trainer_checks as C
+from tests.worlds.transformers_run import GENERATE_RANKS_NEW_TOKENS
+
+VARIANTS = ["z1", "z2", "z3off"]
+SCENARIOS = ["fit_ddp", *(f"fit_{v}" for v in VARIANTS), *(f"resume_{v}" for v in VARIANTS),
+             "sft_ddp", "sft_z0", "sft_z3", "generate_ddp", "generate_z2", "generate_z3"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return C.launch(tmp_path_factory.mktemp("trainer"), SCENARIOS)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_trainer_matches_ddp(runs: dict, variant: str) -> None:
+    C.assert_matches_ddp(runs["fit_ddp"], runs[f"fit_{variant}"], variant)
+    C.assert_checkpoint_layout(runs[f"fit_{variant}"]["run"])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_resume_equals_uninterrupted(runs: dict, variant: str) -> None:
+    C.assert_resume_equals_uninterrupted(runs[f"fit_{variant}"], runs[f"resume_{variant}"],
+                                         variant)
+
+
+def test_sft_lora_at_stage3_equals_the_engine_replicated(runs: dict) -> None:
+    """Stage 3 (frozen base sharded, adapter trained) against the same SFTTrainer run with
+    nothing sharded (stage 0: the engine's DDP), within the fp32 reordering bound."""
+    z0, z3 = C.ok(runs["sft_z0"]), C.ok(runs["sft_z3"])
+    for key in ("loss", "grad_norm", "lr"):
+        C.assert_close_lists(z0[key], z3[key], f"sft {key}")
+
+
+@pytest.mark.xfail(strict=True, reason="open: TRL's SFTTrainer under a ZeRO Trainer differs "
+                   "from plain Trainer (DDP) even at stage 0 (first-step gradient norm 0.2%)")
+def test_sft_lora_at_stage3_equals_plain_trainer(runs: dict) -> None:
+    """Against TRL's SFTTrainer under plain Trainer (DDP), at the fp32 bound. Fails today, and
+    the failure is recorded here rather than hidden by a wider tolerance: a ZeRO Trainer gives
+    a first-step gradient norm 0.2% from plain Trainer's with GPT-2's dropout (0.05% without)
+    at every stage including 0, where nothing is sharded, while plain Trainer + PEFT without
+    TRL matches DDP at 1e-5 (the quick tier's runs, and stages 0-3 agree with each other
+    exactly). What TRL's SFT path (its fused LM head, ``add_fused_lm_head``, and its loss)
+    does differently under the two accelerators is not found yet."""
+    ddp, z3 = C.ok(runs["sft_ddp"]), C.ok(runs["sft_z3"])
+    for key in ("loss", "grad_norm", "lr"):
+        C.assert_close_lists(ddp[key], z3[key], f"sft vs DDP {key}")
+
+
+def test_lora_adapter_is_saved_as_peft_saves_it(runs: dict) -> None:
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from tests.worlds.transformers_run import tiny_gpt2
+
+    z3 = C.ok(runs["sft_z3"])
+    adapter = Path(z3["adapter"])
+    saved = load_file(adapter / "adapter_model.safetensors")
+    assert saved and all("lora_" in k for k in saved), sorted(saved)[:5]
+    reloaded = PeftModel.from_pretrained(tiny_gpt2(), adapter)
+    for key, value in reloaded.state_dict().items():
+        if "lora_" in key:
+            match = [v for k, v in saved.items() if key.replace(".default", "") == k]
+            assert match and torch.equal(match[0], value), key
+    assert any(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k)  # it trained
+
+
+def test_optimizer_state_exists_only_for_the_adapter(runs: dict) -> None:
+    """AdamW keeps two states per trained element; over both ranks at stage 3 that is exactly
+    2 x the adapter's size: the frozen base (sharded too) has none."""
+    z3 = C.ok(runs["sft_z3"])
+    assert z3["optimizer_state_elements"] == 2 * z3["trainable"]
+    assert z3["report"]["num_params"] > 10 * z3["trainable"]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "z2", "z3"])
+def test_generate_equals_the_unsharded_model(runs: dict, mode: str) -> None:
+    result = C.ok(runs[f"generate_{mode}"])
+    assert result["ranks_equal"] == result["world"], result
+    # Ranks ask for different lengths; with synced_gpus the shorter keeps stepping with the
+    # longer one, so rank 0 runs as many forwards as the longest request.
+    longest = max(GENERATE_RANKS_NEW_TOKENS[: result["world"]])
+    assert result["forwards"] == (longest if mode == "z3" else result["new_tokens"])
+
+
+def test_generate_gathers_each_parameter_once_per_forward(runs: dict) -> None:
+    """Per forward, an all-gather of every unit sends (N-1)/N of the model's bytes from each
+    rank (the flat units' padding adds under 1%)."""
+    result = C.ok(runs["generate_z3"])
+    n = result["world"]
+    per_forward = result["param_bytes"] * (n - 1) / n
+    sent = result["comm"]["all_gather"]
+    assert per_forward * result["forwards"] <= sent <= 1.01 * per_forward * result["forwards"]
