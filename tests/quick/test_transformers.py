@@ -62,3 +62,20 @@ def test_with_zero_makes_one_subclass_per_trainer_class() -> None:
     assert with_zero(ZeroTrainer) is ZeroTrainer and issubclass(ZeroTrainer, Trainer)
     with pytest.raises(TypeError, match="Trainer subclass"):
         with_zero(dict)
+
+
+def test_cpu_processes_without_use_cpu_are_refused(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain Trainer would run each of them alone on the whole data set, silently."""
+    from transformers import TrainingArguments
+
+    from tests.worlds.transformers_run import Tokens, tiny_gpt2
+    from zero_strategy.transformers import ZeroPlugin, ZeroTrainer
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr("zero_strategy.integrations.transformers._has_accelerator_device",
+                        lambda: False)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[])
+    with pytest.raises(ValueError, match=r"use_cpu=True"):
+        ZeroTrainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(),
+                    zero_plugin=ZeroPlugin(stage=3))

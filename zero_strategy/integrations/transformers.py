@@ -39,7 +39,7 @@ from transformers import Trainer
 
 from ..checkpoint.verify import member
 from ..comm import collectives
-from .accelerate import CHECKPOINT_SUBDIR, ZeroAccelerator, ZeroPlugin
+from .accelerate import CHECKPOINT_SUBDIR, ZeroAccelerator, ZeroPlugin, _has_accelerator_device
 
 SCHEDULER_FILE = "scheduler.pt"
 """Trainer's name for the LR scheduler's state inside ``checkpoint-N``."""
@@ -220,6 +220,12 @@ def _refuse_unsupported(args: Any) -> None:
         raise ValueError(f"TrainingArguments: {args.n_gpu} GPUs in one process (DataParallel) "
                          "is not supported by a ZeRO Trainer; launch one process per GPU "
                          "(torchrun or accelerate launch)")
+    if (int(os.environ.get("WORLD_SIZE", "1")) > 1 and not getattr(args, "use_cpu", False)
+            and not _has_accelerator_device()):
+        # Without it Trainer runs every process alone (each rank the whole data set, no
+        # reduction), as plain Trainer silently does on a machine without GPUs.
+        raise ValueError("TrainingArguments(use_cpu=True) is needed to train several CPU "
+                         "processes together on a machine without GPUs")
     if getattr(args, "save_only_model", False):
         raise ValueError("TrainingArguments(save_only_model=True) is not supported by a ZeRO "
                          "Trainer: a checkpoint without the sharded optimizer cannot be "
