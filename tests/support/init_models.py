@@ -84,6 +84,32 @@ def torch_net(vocab: int = 40, d: int = 16) -> nn.Module:
     )
 
 
+class AttentionNet(nn.Module):
+    """Embedding, one nn.TransformerEncoderLayer (MultiheadAttention initialises after its
+    ``out_proj`` and zeroes that child's bias; dropout draws while training), a head."""
+
+    def __init__(self, vocab: int = 40, d: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.layer = nn.TransformerEncoderLayer(d, 2, dim_feedforward=32, dropout=0.1,
+                                                batch_first=True)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(self.emb(ids)))
+
+
+def torch_attention_net(d: int = 16) -> nn.Module:
+    """torch's layers that initialise through ``_reset_parameters``: attention with separate
+    q/k/v projections and key/value biases, an encoder and a decoder layer."""
+    return nn.ModuleDict({
+        "attn": nn.MultiheadAttention(d, 2, add_bias_kv=True, kdim=8, vdim=12),
+        "encoder": nn.TransformerEncoderLayer(d, 2, dim_feedforward=32),
+        "decoder": nn.TransformerDecoderLayer(d, 2, dim_feedforward=32),
+        "head": nn.Linear(d, 4),
+    })
+
+
 def loss_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     logits = model(ids[:, :-1])
     return nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())

@@ -12,8 +12,8 @@ from torch import nn
 
 import zero_strategy as zs
 from tests.support.harness import scenario
-from tests.support.init_models import Net, torch_net
-from zero_strategy.core.materialize import meta_init
+from tests.support.init_models import Net, torch_attention_net, torch_net
+from zero_strategy.core.materialize import default_init, meta_init
 
 # Small units and no persistent parameters: every module becomes its own unit, materialised
 # children first, i.e. in another order than construction.
@@ -33,7 +33,7 @@ def against_eager(build: Callable[[], nn.Module], how: str,
 
     def init(module: nn.Module) -> None:  # the default, recording which module and when
         calls.append(names[id(module)])
-        module.reset_parameters()
+        default_init(module)
 
     torch.manual_seed(0)
     context = meta_init("cpu", init) if how == "meta_init" else torch.device("meta")
@@ -77,3 +77,15 @@ def engine_meta_init_default_config() -> dict[str, Any]:
     """Default units: small parameters (biases, norms) are kept whole in buckets built after
     the units, so their modules are materialised last."""
     return against_eager(Net, "meta_init", zs.ZeroConfig(stage=3))
+
+
+@scenario
+def engine_meta_init_torch_attention() -> dict[str, Any]:
+    """MultiheadAttention / encoder and decoder layers: every module its own unit, so each
+    ``out_proj`` is materialised and sharded before its attention zeroes its bias."""
+    return against_eager(torch_attention_net, "meta_init")
+
+
+@scenario
+def engine_plain_meta_torch_attention() -> dict[str, Any]:
+    return against_eager(torch_attention_net, "plain")
