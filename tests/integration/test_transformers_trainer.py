@@ -15,7 +15,8 @@ from tests.worlds.transformers_run import GENERATE_RANKS_NEW_TOKENS
 
 VARIANTS = ["z1", "z2", "z3off"]
 SCENARIOS = ["fit_ddp", *(f"fit_{v}" for v in VARIANTS), *(f"resume_{v}" for v in VARIANTS),
-             "sft_ddp", "sft_z0", "sft_z3", "generate_ddp", "generate_z2", "generate_z3"]
+             "sft_ddp", "sft_z0", "sft_z3", "generate_ddp", "generate_z2", "generate_z3",
+             "best_ddp", "best_z3", "precision"]
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +96,24 @@ def test_generate_gathers_each_parameter_once_per_forward(runs: dict) -> None:
     per_forward = result["param_bytes"] * (n - 1) / n
     sent = result["comm"]["all_gather"]
     assert per_forward * result["forwards"] <= sent <= 1.01 * per_forward * result["forwards"]
+
+
+def test_best_model_checkpoint_rotation_plateau_schedule_and_callbacks(runs: dict) -> None:
+    """Evaluation and a save every step, ReduceLROnPlateau (stepped with the evaluation
+    metric), save_total_limit=1 and load_best_model_at_end: the same history, the same
+    checkpoints kept, the same best checkpoint, and the best model's weights, as plain
+    Trainer; a callback sees the same optimizer and saves."""
+    ddp, z3 = C.ok(runs["best_ddp"]), C.ok(runs["best_z3"])
+    for key in ("loss", "grad_norm", "eval_loss", "lr"):
+        C.assert_close_lists(ddp[key], z3[key], f"best {key}")
+    assert len(set(ddp["lr"])) > 1  # the plateau schedule did reduce the lr
+    assert (z3["best"], z3["checkpoints"], z3["saved"]) == (
+        ddp["best"], ddp["checkpoints"], ddp["saved"])
+    diff = C.max_rel_diff(C.weights(ddp["final"]), C.weights(z3["final"]))
+    assert diff <= C.RTOL, diff
+
+
+def test_precision_follows_training_arguments(runs: dict) -> None:
+    result = C.ok(runs["precision"])
+    assert (result["bf16"], result["fp16"]) == ("bf16-mixed", "16-mixed")
+    assert "precision='32-true'" in result["clash"] and "bf16=True" in result["clash"]

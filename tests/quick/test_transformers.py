@@ -6,7 +6,9 @@ schedule, evaluation, checkpoints, ``save_model`` and ``predict``; resuming from
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -44,12 +46,18 @@ def test_options_the_integration_replaces_are_refused_by_name(tmp_path: Path) ->
     from zero_strategy.transformers import ZeroPlugin, ZeroTrainer
 
     for field, value in [("torch_compile", True), ("save_only_model", True),
-                         ("bf16_full_eval", True)]:
-        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
-                                 **{field: value})
-        with pytest.raises(ValueError, match=field):
-            ZeroTrainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(),
-                        zero_plugin=ZeroPlugin(stage=3))
+                         ("bf16_full_eval", True), ("fsdp", "full_shard"),
+                         ("deepspeed", {"zero_optimization": {"stage": 3},
+                                        "train_micro_batch_size_per_gpu": "auto"})]:
+        # TrainingArguments writes some of these into os.environ (ACCELERATE_DYNAMO_BACKEND,
+        # FSDP_...): none may leak into the rest of this process's tests.
+        with mock.patch.dict(os.environ):
+            args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                                     **{field: value})
+            with pytest.raises(ValueError, match=field):
+                ZeroTrainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(),
+                            zero_plugin=ZeroPlugin(stage=3))
+            del args  # DeepSpeed's config is found through a weak reference to it
 
 
 def test_with_zero_makes_one_subclass_per_trainer_class() -> None:
@@ -73,7 +81,7 @@ def test_cpu_processes_without_use_cpu_are_refused(tmp_path: Path,
     from zero_strategy.transformers import ZeroPlugin, ZeroTrainer
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr("zero_strategy.integrations.transformers._has_accelerator_device",
+    monkeypatch.setattr("zero_strategy.integrations.transformers.has_accelerator_device",
                         lambda: False)
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[])
     with pytest.raises(ValueError, match=r"use_cpu=True"):

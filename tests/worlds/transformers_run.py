@@ -126,6 +126,60 @@ for _mode in MODES:
     SCENARIOS[f"resume_{_mode}"] = functools.partial(_resume, _mode)
 
 
+def _best(mode: str, out: Path) -> dict[str, Any]:
+    """Evaluate and save every step with ReduceLROnPlateau, keep one checkpoint besides the
+    best, and load the best model at the end; a callback records what it is shown."""
+    from transformers import TrainerCallback
+
+    seen: dict[str, list[Any]] = {"lr": [], "saved": []}
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None,
+                        **kwargs: Any) -> None:
+            seen["lr"].append(optimizer.param_groups[0]["lr"])
+
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            seen["saved"].append(state.global_step)
+
+    run = out / f"best_{mode}"
+    trainer = trainer_for(mode, model=tiny_gpt2(), train_dataset=Tokens(),
+                          eval_dataset=Tokens(8, seed=1), callbacks=[Record()],
+                          args=arguments(run, eval_strategy="steps", eval_steps=1,
+                                         save_strategy="steps", save_steps=1,
+                                         save_total_limit=1, load_best_model_at_end=True,
+                                         metric_for_best_model="eval_loss",
+                                         lr_scheduler_type="reduce_lr_on_plateau",
+                                         lr_scheduler_kwargs={"patience": 0, "factor": 0.5},
+                                         learning_rate=3e-2, max_steps=5, warmup_steps=0))
+    trainer.train()
+    trainer.save_model(str(run / "final"))
+    return {**history(trainer), **seen, "final": str(run / "final"),
+            "best": Path(trainer.state.best_model_checkpoint).name,
+            "checkpoints": sorted(p.name for p in run.glob("checkpoint-*"))}
+
+
+def _precision(mode: str, out: Path) -> dict[str, Any]:
+    """Trainer's bf16/fp16 flags choose the engine's precision; a plugin that says otherwise is
+    refused naming both. Nothing is trained."""
+    result: dict[str, Any] = {}
+    for flag in ("bf16", "fp16"):
+        trainer = trainer_for("z3", model=tiny_gpt2(), train_dataset=Tokens(),
+                              args=arguments(out / f"precision_{flag}", **{flag: True}))
+        result[flag] = trainer.accelerator.zero_config.precision
+    try:
+        ZeroTrainer(model=tiny_gpt2(), train_dataset=Tokens(), args=arguments(
+            out / "precision_clash", bf16=True), zero_plugin=ZeroPlugin(precision="32-true"))
+        result["clash"] = None
+    except ValueError as err:
+        result["clash"] = str(err)
+    return result
+
+
+SCENARIOS["best_ddp"] = functools.partial(_best, "ddp")
+SCENARIOS["best_z3"] = functools.partial(_best, "z3")
+SCENARIOS["precision"] = functools.partial(_precision, "z3")
+
+
 # ---------------------------------------------------------------------------------- TRL + LoRA
 WORDS = [f"w{i}" for i in range(VOCAB - 3)]
 

@@ -112,7 +112,8 @@ CHECKPOINT_TAG = "state"
 # Accelerate's mixed_precision names and the engine precision each one means by default.
 _FROM_ACCELERATE = {"no": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 # Explicit engine precisions that agree with each Accelerate setting ("no" leaves it to us).
-_COMPATIBLE = {"no": set(PRECISIONS), "bf16": {"bf16-mixed", "bf16-true"}, "fp16": {"16-mixed"}}
+COMPATIBLE_PRECISIONS = {"no": set(PRECISIONS), "bf16": {"bf16-mixed", "bf16-true"},
+                         "fp16": {"16-mixed"}}
 
 
 # ---------------------------------------------------------------------------------- plugin
@@ -175,11 +176,11 @@ class ZeroPlugin:
         explicit = self.options.get("precision")
         if explicit is None:
             return _FROM_ACCELERATE[mixed_precision]
-        if explicit in PRECISIONS and explicit not in _COMPATIBLE[mixed_precision]:
+        if explicit in PRECISIONS and explicit not in COMPATIBLE_PRECISIONS[mixed_precision]:
             raise ValueError(
                 f"{self.source}: precision={explicit!r} contradicts Accelerate's "
                 f"mixed_precision={mixed_precision!r}; drop one of them or make them agree "
-                f"(with {mixed_precision!r}: {sorted(_COMPATIBLE[mixed_precision])})"
+                f"(with {mixed_precision!r}: {sorted(COMPATIBLE_PRECISIONS[mixed_precision])})"
             )
         return explicit
 
@@ -350,7 +351,7 @@ class ZeroAccelerator(Accelerator):
             requested = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
         mixed_precision = str(requested).lower()
         config = plugin.resolve(mixed_precision)  # fails before any process group exists
-        if not kwargs.get("cpu") and not _has_accelerator_device():
+        if not kwargs.get("cpu") and not has_accelerator_device():
             kwargs["cpu"] = True
         handlers = list(kwargs.get("kwargs_handlers") or [])
         if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
@@ -450,8 +451,10 @@ class ZeroAccelerator(Accelerator):
                       placement: bool | None) -> tuple[ZeroModel, list[ZeroOptimizer]]:
         if self._zero_model is not None:
             raise ValueError("ZeroAccelerator trains one model; it already prepared one")
-        if self.device_placement if placement is None else placement:
+        on_meta = any(p.is_meta for p in model.parameters())
+        if (self.device_placement if placement is None else placement) and not on_meta:
             model.to(self.device)  # keeps Parameter identities, so the optimizer stays valid
+        # A model on the meta device is materialised by the engine, one unit at a time.
         if self.state.dynamo_plugin.backend != DynamoBackend.NO:
             warnings.warn("ZeroAccelerator does not torch.compile the ZeRO model; the accelerate "
                           "config's dynamo settings are ignored for it", stacklevel=3)

@@ -39,7 +39,13 @@ from transformers import Trainer
 
 from ..checkpoint.verify import member
 from ..comm import collectives
-from .accelerate import CHECKPOINT_SUBDIR, ZeroAccelerator, ZeroPlugin, _has_accelerator_device
+from .accelerate import (
+    CHECKPOINT_SUBDIR,
+    COMPATIBLE_PRECISIONS,
+    ZeroAccelerator,
+    ZeroPlugin,
+    has_accelerator_device,
+)
 
 SCHEDULER_FILE = "scheduler.pt"
 """Trainer's name for the LR scheduler's state inside ``checkpoint-N``."""
@@ -85,6 +91,7 @@ class ZeroTrainerMixin:
     # ------------------------------------------------------------------ accelerator
     def create_accelerator_and_postprocess(self) -> None:
         _refuse_unsupported(self.args)
+        _check_precision(self.args, self.zero_plugin)
         build = functools.partial(_TrainerAccelerator, zero_plugin=self.zero_plugin)
         with _trainer_builds(build):
             super().create_accelerator_and_postprocess()
@@ -221,7 +228,7 @@ def _refuse_unsupported(args: Any) -> None:
                          "is not supported by a ZeRO Trainer; launch one process per GPU "
                          "(torchrun or accelerate launch)")
     if (int(os.environ.get("WORLD_SIZE", "1")) > 1 and not getattr(args, "use_cpu", False)
-            and not _has_accelerator_device()):
+            and not has_accelerator_device()):
         # Without it Trainer runs every process alone (each rank the whole data set, no
         # reduction), as plain Trainer silently does on a machine without GPUs.
         raise ValueError("TrainingArguments(use_cpu=True) is needed to train several CPU "
@@ -230,6 +237,19 @@ def _refuse_unsupported(args: Any) -> None:
         raise ValueError("TrainingArguments(save_only_model=True) is not supported by a ZeRO "
                          "Trainer: a checkpoint without the sharded optimizer cannot be "
                          "resumed; leave save_only_model unset")
+
+
+def _check_precision(args: Any, plugin: ZeroPlugin) -> None:
+    """A plugin precision against TrainingArguments' flags, named as a Trainer user sets them
+    (ZeroAccelerator would name Accelerate's mixed_precision instead)."""
+    explicit = plugin.options.get("precision")
+    flag = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) \
+        else None
+    if explicit is None or flag is None or explicit in COMPATIBLE_PRECISIONS[flag]:
+        return
+    raise ValueError(f"{plugin.source}: precision={explicit!r} contradicts "
+                     f"TrainingArguments({flag}=True); drop one of them or make them agree "
+                     f"(with {flag}=True: {sorted(COMPATIBLE_PRECISIONS[flag])})")
 
 
 def _shard_frozen_too(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
