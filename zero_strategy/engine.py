@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from .checkpoint import pretrained as checkpoint_pretrained
 from .checkpoint import read as checkpoint_read
 from .checkpoint import write as checkpoint_write
 from .comm.collectives import Communicator, default_device
@@ -77,6 +78,7 @@ class ZeroEngine:
         self.comm.use_scratch(self.pool.take, self.pool.give)
         self.shards, self.replicas = self._shard_groups()
         materializer = Materializer(model, self.device, param_init_fn) if has_meta(model) else None
+        pretrained = checkpoint_pretrained.pending(model)  # weights to stream in, last
         self.plan = make_plan(self.config, self.shards.world_size)
         optimizer = _as_one_optimizer(optimizer)
         existing = _existing_states(optimizer)
@@ -132,6 +134,8 @@ class ZeroEngine:
         self.global_step = 0
         self.skipped_steps = 0
         self._buffers = [b for b in model.buffers() if b is not None]
+        if pretrained:  # from_pretrained's model: its folder's weights go into the shards now
+            checkpoint_pretrained.load_pending(self, pretrained)
 
     # ------------------------------------------------------------------ setup helpers
     def _shard_groups(self) -> tuple[Communicator, Communicator | None]:
@@ -612,6 +616,16 @@ class ZeroEngine:
         with record_function("zero::load_checkpoint"):
             return checkpoint_read.load(self, directory, tag=tag, load_optimizer=load_optimizer,
                                         trust_pickles=trust_pickles)
+
+    def load_pretrained(self, path: str | os.PathLike, *, strict: bool = True,
+                        key_map: checkpoint_pretrained.KeyMap | None = None) -> Any:
+        """Load a Hugging Face ``save_pretrained`` folder into the shards, each rank reading
+        only its own ranges, everything checked before anything changes; returns the missing
+        and unexpected keys, as ``load_state_dict``. ``key_map`` defaults to the one
+        ``from_pretrained`` built the model with (docs/pretrained.md)."""
+        self._check_open("load_pretrained")
+        with record_function("zero::load_pretrained"):
+            return checkpoint_pretrained.load(self, path, key_map=key_map, strict=strict)
 
     def memory_report(self) -> dict[str, int | float | str]:
         """Model-state bytes this rank holds now, beside the ZeRO formula's prediction."""

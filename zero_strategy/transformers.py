@@ -1,7 +1,9 @@
 """Hugging Face transformers on ZeRO: ``ZeroTrainer`` and ``with_zero(TrainerClass)`` for
 ``transformers.Trainer`` and its subclasses (TRL's trainers, ``Seq2SeqTrainer``), configured
-by ``ZeroPlugin`` or a plugin YAML file (``$ZERO_STRATEGY_CONFIG``). Needs the ``transformers``
-extra; the adapter is ``zero_strategy/integrations/transformers.py``."""
+by ``ZeroPlugin`` or a plugin YAML file (``$ZERO_STRATEGY_CONFIG``); and ``from_pretrained``,
+which builds a model on the meta device so that the engine streams each rank's part of the
+folder's weights straight into its shards. Needs the ``transformers`` extra; the adapters are
+``zero_strategy/integrations/transformers.py`` and ``pretrained.py``."""
 
 from .integrations import require
 
@@ -9,6 +11,8 @@ require("transformers", "zero_strategy.transformers")
 require("accelerate", "zero_strategy.transformers")
 
 from .integrations.accelerate import ZeroPlugin  # noqa: E402
+from .integrations.pretrained import from_pretrained, loading_info  # noqa: E402
 from .integrations.transformers import ZeroTrainer, ZeroTrainerMixin, with_zero  # noqa: E402
 
-__all__ = ["ZeroPlugin", "ZeroTrainer", "ZeroTrainerMixin", "with_zero"]
+__all__ = ["ZeroPlugin", "ZeroTrainer", "ZeroTrainerMixin", "from_pretrained", "loading_info",
+           "with_zero"]

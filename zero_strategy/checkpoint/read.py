@@ -73,8 +73,10 @@ class SafetensorsFile:
         entry = self.header[name]
         return DTYPES_FROM_ST[entry["dtype"]], tuple(entry["shape"])
 
-    def read(self, name: str, start: int | None = None, end: int | None = None) -> torch.Tensor:
-        """Flat elements [start, end) of tensor ``name`` (all of it by default)."""
+    def read(self, name: str, start: int | None = None, end: int | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """Flat elements [start, end) of tensor ``name`` (all of it by default); into ``out``
+        (contiguous, on the CPU, of the tensor's dtype) when given, else a new tensor."""
         dtype, shape = self.info(name)
         numel = torch.Size(shape).numel()
         start, end = start or 0, numel if end is None else end
@@ -82,7 +84,12 @@ class SafetensorsFile:
             raise CheckpointError(f"{self.path}: elements [{start}, {end}) of tensor {name!r} "
                                   f"are outside its {numel}")
         item = dtype.itemsize
-        out = torch.empty(end - start, dtype=dtype)
+        if out is None:
+            out = torch.empty(end - start, dtype=dtype)
+        elif (out.dtype, out.numel(), out.device.type) != (dtype, end - start, "cpu") \
+                or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous CPU {dtype} tensor of {end - start} "
+                             f"elements, got {out.dtype} {tuple(out.shape)} on {out.device}")
         begin = self.data_start + self.header[name]["data_offsets"][0] + start * item
         with open(self.path, "rb") as f:
             f.seek(begin)
@@ -405,10 +412,13 @@ def _stage(engine: ZeroEngine, reader: ReaderBase, load_optimizer: bool,
     masters = []
     for unit in engine.units:
         for piece in unit.layout.pieces(rank):
+            if not reader.holds(piece.slot.name):  # a partial source: the rest stays
+                continue
             values = reader.read_range(piece.slot.name, "master", piece.slot_start,
                                        piece.slot_start + piece.numel)
             masters.append((unit.param_store.master, piece.shard_start, values))
-    module = {key: reader.module_tensor(key) for key in engine.unmanaged_state()}
+    module = {key: reader.module_tensor(key) for key in engine.unmanaged_state()
+              if reader.holds(key)}
     records = param_records(reader.manifest) if load_optimizer else {}
     ranges = {request: reader.read_state(*request)
               for request in requests(engine.optimizer, records)}
@@ -431,8 +441,9 @@ def _commit(engine: ZeroEngine, staged: _Staged, load_optimizer: bool) -> None:
         for master, start, values in staged.masters:
             master[start : start + values.numel()].copy_(values)
         engine.refresh_compute_copies()
-        for key, tensor in engine.unmanaged_state().items():
-            tensor.copy_(staged.module[key])
+        module = engine.unmanaged_state()
+        for key, value in staged.module.items():
+            module[key].copy_(value)
     groups = manifest.get("param_groups")  # v1 checkpoints did not record them
     if load_optimizer:
         if staged.records:  # else saved before the first step: nothing to restore

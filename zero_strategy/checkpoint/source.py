@@ -43,6 +43,11 @@ class ReaderBase:
     def client_state(self) -> dict[str, Any] | None:
         return None
 
+    def holds(self, name: str) -> bool:
+        """Whether the source has a value for parameter ``name`` or module key ``name``: a
+        checkpoint has all of them; pretrained weights may lack a head (``pretrained.py``)."""
+        return True
+
     def verify(self, names: list[str]) -> list[str]:
         """Other systems record no hashes: their files are checked by structure instead."""
         return []
