@@ -16,7 +16,8 @@ from tests.worlds.transformers_run import GENERATE_RANKS_NEW_TOKENS
 VARIANTS = ["z1", "z2", "z3off"]
 SCENARIOS = ["fit_ddp", *(f"fit_{v}" for v in VARIANTS), *(f"resume_{v}" for v in VARIANTS),
              "sft_ddp", "sft_z0", "sft_z3", "generate_ddp", "generate_z2", "generate_z3",
-             "best_ddp", "best_z3", "precision"]
+             "best_ddp", "best_z3", "precision", "streamed_ddp", "streamed_z3",
+             "evaluated_ddp", "evaluated_z0", "evaluated_z3"]
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +118,26 @@ def test_precision_follows_training_arguments(runs: dict) -> None:
     result = C.ok(runs["precision"])
     assert (result["bf16"], result["fp16"]) == ("bf16-mixed", "16-mixed")
     assert "precision='32-true'" in result["clash"] and "bf16=True" in result["clash"]
+
+
+def test_streamed_pretrained_model_trains_as_from_pretrained_does(runs: dict) -> None:
+    """``zero_strategy.transformers.from_pretrained`` (meta, each rank reading its ranges)
+    under a ZeRO Trainer against ``GPT2LMHeadModel.from_pretrained`` under plain Trainer."""
+    ddp, z3 = C.ok(runs["streamed_ddp"]), C.ok(runs["streamed_z3"])
+    assert z3["built_on_meta"] and not ddp["built_on_meta"]
+    for key in ("loss", "grad_norm", "lr"):
+        C.assert_close_lists(ddp[key], z3[key], f"streamed {key}")
+    assert C.max_rel_diff(C.weights(ddp["final"]), C.weights(z3["final"])) <= C.RTOL
+
+
+def test_evaluate_before_train_on_a_streamed_model(runs: dict) -> None:
+    """evaluate() before train() builds the engine for a model still on meta: the same
+    evaluation loss as plain Trainer on the same weights, and the training after it is the
+    same whether nothing is sharded (stage 0) or everything is (stage 3). Plain Trainer is no
+    reference for that training: after an early evaluate() it never wraps the model in DDP
+    (transformers 5.23), so its ranks train apart."""
+    ddp, z0, z3 = (C.ok(runs[k]) for k in ("evaluated_ddp", "evaluated_z0", "evaluated_z3"))
+    C.assert_close_lists([ddp["eval_before"]] * 2, [z0["eval_before"], z3["eval_before"]],
+                         "eval before train")
+    for key in ("loss", "grad_norm", "lr"):
+        C.assert_close_lists(z0[key], z3[key], f"after an early evaluation: {key}")

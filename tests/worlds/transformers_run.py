@@ -180,6 +180,46 @@ SCENARIOS["best_z3"] = functools.partial(_best, "z3")
 SCENARIOS["precision"] = functools.partial(_precision, "z3")
 
 
+def _streamed(mode: str, out: Path, evaluate_first: bool = False,
+              train: bool = True) -> dict[str, Any]:
+    """A pretrained folder: plain Trainer gets ``GPT2LMHeadModel.from_pretrained``, a ZeRO
+    Trainer our ``from_pretrained`` (built on meta, each rank reading its own ranges); then
+    optionally ``evaluate()`` before training (the engine must be built for it), training,
+    and ``save_model``."""
+    from zero_strategy.transformers import from_pretrained
+
+    folder = out / "pretrained"
+    # No process group exists before the first Trainer (users call from_pretrained first):
+    # rank 0 publishes the folder by a rename, the others wait for it.
+    if os.environ["RANK"] == "0" and not folder.exists():
+        tiny_gpt2().save_pretrained(out / "pretrained.tmp")
+        (out / "pretrained.tmp").rename(folder)
+    while not folder.exists():
+        time.sleep(0.05)
+    run = out / f"streamed_{mode}_{int(evaluate_first)}{int(train)}"
+    model = (GPT2LMHeadModel.from_pretrained(folder) if MODES[mode] is None
+             else from_pretrained(GPT2LMHeadModel, folder))
+    on_meta = any(p.is_meta for p in model.parameters())
+    trainer = trainer_for(mode, model=model, train_dataset=Tokens(),
+                          eval_dataset=Tokens(8, seed=1), args=arguments(run))
+    before = trainer.evaluate()["eval_loss"] if evaluate_first else None
+    if train:
+        trainer.train()
+        trainer.save_model(str(run / "final"))
+    return {**history(trainer), "eval_before": before, "built_on_meta": on_meta,
+            "final": str(run / "final")}
+
+
+SCENARIOS["streamed_ddp"] = functools.partial(_streamed, "ddp")
+SCENARIOS["streamed_z3"] = functools.partial(_streamed, "z3")
+# Plain Trainer (transformers 5.23) never wraps a model evaluated before train() in DDP: its
+# ranks then train apart. Its evaluation alone is the reference; training after an early
+# evaluation is compared between the engine replicated (stage 0) and stage 3.
+SCENARIOS["evaluated_ddp"] = functools.partial(_streamed, "ddp", evaluate_first=True, train=False)
+SCENARIOS["evaluated_z0"] = functools.partial(_streamed, "z0", evaluate_first=True)
+SCENARIOS["evaluated_z3"] = functools.partial(_streamed, "z3", evaluate_first=True)
+
+
 # ---------------------------------------------------------------------------------- TRL + LoRA
 WORDS = [f"w{i}" for i in range(VOCAB - 3)]
 

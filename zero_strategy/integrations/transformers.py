@@ -117,13 +117,27 @@ class ZeroTrainerMixin:
                               resume_from_checkpoint: str | None) -> Any:
         model, loader = super()._prepare_for_training(max_steps, train_dataloader,
                                                       resume_from_checkpoint)
+        self._engine_built()
+        return model, loader
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """``evaluate()``/``predict()`` before ``train()``: a model still on the meta device
+        (``from_pretrained`` streaming into shards) needs the engine to exist first; Trainer's
+        own evaluation preparation would try to move it to the device."""
+        if self.zero_engine is None and any(p.is_meta for p in self.model.parameters()):
+            self.create_optimizer()
+            self.model_wrapped, self.optimizer = self.accelerator.prepare(self.model,
+                                                                          self.optimizer)
+            self._engine_built()
+        return super().evaluation_loop(*args, **kwargs)
+
+    def _engine_built(self) -> None:
         engine = self.zero_engine
         if engine is not None and engine.config.stage == 3 and collectives.group_size() > 1:
             # transformers reads this to run generate() with synced_gpus (every rank keeps
             # calling forward until all are done) and to keep layer-drop the same on every
             # rank: both are what a model whose forward gathers from all ranks needs.
             self.model._is_fsdp_managed_module = True
-        return model, loader
 
     # ------------------------------------------------------------------ saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
