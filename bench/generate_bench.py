@@ -16,6 +16,7 @@ CPU (gloo). Compare rows of one run only: the machine is shared.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -24,7 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-SYSTEMS = {"replicated": None, "zs_zero2": 2, "zs_zero3": 3}
+SYSTEMS = {"replicated": None, "zs_zero2": 2, "zs_zero3": 3, "zs_zero3_gathered": 3}
+"""Stage of each system. ``zs_zero3_gathered`` generates inside ``engine.gathered_parameters()``:
+one gather for the whole call, the whole model held meanwhile (what DeepSpeed's
+``GatheredParameters`` and TRL's ``unwrap_model_for_generation`` do)."""
 
 
 def worker(system: str, out: Path, new_tokens: int, width: int, layers: int) -> None:
@@ -46,13 +50,16 @@ def worker(system: str, out: Path, new_tokens: int, width: int, layers: int) -> 
     prompt = torch.randint(0, 8192, (1, 16), generator=torch.Generator().manual_seed(rank))
     mine = new_tokens + 8 * rank  # ranks stop at different lengths
     sent = (lambda: dict(engine.shards.bytes_sent)) if engine else (lambda: {})
+    whole = (engine.gathered_parameters if system.endswith("_gathered")
+             else contextlib.nullcontext)
     with torch.no_grad():  # warm-up: allocator, gather buffers
         model.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0,
                        synced_gpus=stage == 3 and world > 1)
         dist.barrier()
         before, start = sent(), time.perf_counter()
-        model.generate(prompt, max_new_tokens=mine, min_new_tokens=mine, do_sample=False,
-                       pad_token_id=0, synced_gpus=stage == 3 and world > 1)
+        with whole():
+            model.generate(prompt, max_new_tokens=mine, min_new_tokens=mine, do_sample=False,
+                           pad_token_id=0, synced_gpus=stage == 3 and world > 1)
         seconds = time.perf_counter() - start
     gathered = sent().get("all_gather", 0) - before.get("all_gather", 0)
     record = {"system": system, "rank": rank, "tokens": mine, "seconds": seconds,

@@ -114,3 +114,11 @@ def test_meta_device_init_never_holds_the_full_model(world2: dict) -> None:
         assert r["bound_ok"], "meta-initialised weights are not nn.Linear's init"
         assert r["gpt2_tied"] and all(x == x and x < 10 for x in r["gpt2_losses"])
     assert results[0]["gpt2_checksum"] == results[1]["gpt2_checksum"], "ranks disagree"
+
+
+def test_inference_inside_gathered_parameters_gathers_once(world2: dict) -> None:
+    """A forward outside the block gathers every unit; inside it, none does (generate() in
+    ``gathered_parameters()`` costs one gather per call, not one per token), and the
+    parameters stay whole after each forward."""
+    for r in check(world2["inference_inside_gathered"]):
+        assert r["per_forward"] > 0 and r["inside"] == 0 and r["whole_after_forwards"], r

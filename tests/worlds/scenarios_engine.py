@@ -270,6 +270,30 @@ def no_sync_skips_communication(stage: int) -> dict:
     }
 
 
+def inference_inside_gathered() -> dict:
+    """No-grad forwards inside ``gathered_parameters()`` (generate() in one, as DeepSpeed's
+    GatheredParameters is used) gather nothing more, and the parameters stay whole after each
+    of them; outside the block every forward gathers again."""
+    model = make_model("gpt2")
+    config = zs.ZeroConfig(stage=3, param_persistence_threshold=0)
+    engine = zs.ZeroEngine(model, make_optimizer("adamw", model), config)
+    ids = batch("gpt2", torch.Generator().manual_seed(3))["input_ids"]
+    gathered = lambda: engine.comm_bytes().get("all_gather", 0)  # noqa: E731
+    with torch.no_grad():
+        engine(input_ids=ids)
+        outside = gathered()
+        engine(input_ids=ids)
+        per_forward = gathered() - outside
+        with engine.gathered_parameters():
+            entered = gathered()
+            for _ in range(3):
+                engine(input_ids=ids)
+            inside = gathered() - entered
+            whole = all(p.numel() == p.data.numel() and p.untyped_storage().size() > 0
+                        for p in model.parameters())
+    return {"per_forward": per_forward, "inside": inside, "whole_after_forwards": whole}
+
+
 # N=4: tests/worlds/scenarios_hybrid.py
 if __import__("os").environ.get("WORLD_SIZE") in ("2", "3"):
     for _kind in ("mlp", "gpt2"):
@@ -288,4 +312,5 @@ if __import__("os").environ.get("WORLD_SIZE") == "2":
         register(f"parity_clip_value_stage{_stage}", parity, kind="mlp", stage=_stage,
                  clip_value=0.01)
     register("bad_input", bad_input)
+    register("inference_inside_gathered", inference_inside_gathered)
     register("meta_init", meta_init)

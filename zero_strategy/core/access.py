@@ -169,9 +169,12 @@ class ParamAccess:
             self.runtime.unshard(unit)
         for unit in units:
             unit.param_store.finish_unshard()
+            self.runtime.hold(unit)  # forwards inside the block must not free them
         try:
             yield
         finally:
+            for unit in units:
+                self.runtime.unhold(unit)
             try:
                 if writable:
                     self._adopt(units, modifier_rank)

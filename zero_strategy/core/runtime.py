@@ -123,6 +123,9 @@ class Runtime:
         self._pinned: set[int] = set()
         """Units kept whole until the end of backward: read outside their module's forward,
         or returned (a view of) their parameters from it."""
+        self._held: dict[int, int] = {}
+        """Units ``engine.gathered_parameters()`` keeps whole (how many blocks hold each): no
+        forward, backward or inference pass frees them until the block ends."""
         self._launch_order: list[Unit] = []
         self._cursor = 0
         """Reductions launched this pass (a prefix of the launch order)."""
@@ -206,8 +209,17 @@ class Runtime:
         self._pinned.add(unit.index)
 
     def release(self, unit: Unit) -> None:
-        if unit.index not in self._pinned:
+        if unit.index not in self._pinned and unit.index not in self._held:
             unit.param_store.reshard()
+
+    def hold(self, unit: Unit) -> None:
+        """Keep ``unit`` whole (it is gathered already) until as many ``unhold`` calls."""
+        self._held[unit.index] = self._held.get(unit.index, 0) + 1
+
+    def unhold(self, unit: Unit) -> None:
+        left = self._held.pop(unit.index) - 1
+        if left:
+            self._held[unit.index] = left
 
     def settle(self) -> None:
         """Wait for every gather in flight (the post-step all-gathers of stages 1-2 among
@@ -217,9 +229,11 @@ class Runtime:
         self.verify_gather_order()
 
     def reshard_all(self) -> None:
+        """Free every gathered unit but those a ``gathered_parameters()`` block holds."""
         self._pinned.clear()
         for unit in self.units:
-            unit.param_store.reshard()
+            if unit.index not in self._held:
+                unit.param_store.reshard()
 
     # ---------------------------------------------------------------- forward
     def begin_forward(self) -> None:
@@ -253,7 +267,9 @@ class Runtime:
         )
         if not torch.is_grad_enabled() and unit is self.root_unit:
             self.verify_gather_order()
-            self.reshard_all()  # inference: nothing will need the parameters again
+            # Inference: nothing will need the parameters again (but what a
+            # gathered_parameters() block holds: generate() inside one gathers once).
+            self.reshard_all()
         elif unit is not self.root_unit and (hooked or not torch.is_grad_enabled()):
             # Only free what a pre-backward hook can bring back; an output we cannot hook
             # keeps its unit gathered until the end of backward.
