@@ -17,7 +17,7 @@ VARIANTS = ["z1", "z2", "z3off"]
 SCENARIOS = ["fit_ddp", *(f"fit_{v}" for v in VARIANTS), *(f"resume_{v}" for v in VARIANTS),
              "sft_ddp", "sft_z0", "sft_z3", "generate_ddp", "generate_z2", "generate_z3",
              "best_ddp", "best_z3", "precision", "streamed_ddp", "streamed_z3",
-             "evaluated_ddp", "evaluated_z0", "evaluated_z3"]
+             "evaluated_ddp", "evaluated_z0", "evaluated_z3", "seq2seq_ddp", "seq2seq_z3"]
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +141,10 @@ def test_evaluate_before_train_on_a_streamed_model(runs: dict) -> None:
                          "eval before train")
     for key in ("loss", "grad_norm", "lr"):
         C.assert_close_lists(z0[key], z3[key], f"after an early evaluation: {key}")
+
+
+def test_seq2seq_predict_with_generate_equals_plain_trainer(runs: dict) -> None:
+    """``with_zero(Seq2SeqTrainer)`` with ``predict_with_generate``: the tokens every rank
+    generated, gathered and padded by Trainer, equal plain Seq2SeqTrainer's under DDP."""
+    ddp, z3 = C.ok(runs["seq2seq_ddp"]), C.ok(runs["seq2seq_z3"])
+    assert torch.equal(torch.load(ddp["tokens"]), torch.load(z3["tokens"]))

@@ -333,6 +333,30 @@ for _mode in ("ddp", "z2", "z3"):
     SCENARIOS[f"generate_{_mode}"] = functools.partial(_generate, _mode)
 
 
+def _predict_with_generate(mode: str, out: Path) -> dict[str, Any]:
+    """Seq2SeqTrainer(predict_with_generate=True): predict() generates on every rank's rows
+    (transformers picks synced_gpus from the model) and gathers the tokens."""
+    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+    run = out / f"seq2seq_{mode}"
+    args = arguments(run, Seq2SeqTrainingArguments, max_steps=2, predict_with_generate=True,
+                     generation_max_length=14)
+    model = tiny_gpt2()
+    # An end token the greedy decode meets at different lengths on different rows (and
+    # ranks): the padding, and synced_gpus while one rank is done and the other is not.
+    for config in (model.config, model.generation_config):
+        config.pad_token_id, config.eos_token_id = 0, 7
+    trainer = trainer_for(mode, Seq2SeqTrainer, model=model, args=args, train_dataset=Tokens())
+    trainer.train()
+    tokens = trainer.predict(Tokens(8, seq=6, seed=3)).predictions
+    torch.save(torch.as_tensor(tokens), run / "tokens.pt")
+    return {"tokens": str(run / "tokens.pt")}
+
+
+SCENARIOS["seq2seq_ddp"] = functools.partial(_predict_with_generate, "ddp")
+SCENARIOS["seq2seq_z3"] = functools.partial(_predict_with_generate, "z3")
+
+
 # ---------------------------------------------------------------------------------- main
 def main() -> None:
     parser = argparse.ArgumentParser()
