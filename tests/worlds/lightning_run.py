@@ -12,9 +12,9 @@ tests share launches):
              then init.
     presets  what tests/integration/test_lightning_presets.py asserts on: memory, then
              trainer and fabric with every other preset (stages 1-2, offload, disk) against
-             the same DDP run.
-The parts, also runnable alone (``memory``, ``trainer``, ``fabric``, ``init``; trainer and
-fabric then with every preset):
+             the same DDP run, then pretrained.
+The parts, also runnable alone (``memory``, ``trainer``, ``fabric``, ``init``,
+``pretrained``; trainer and fabric then with every preset):
     memory   configure_model at stage 3 on a ~34M-parameter model: peak RSS growth while the
              model is built and sharded (and, for contrast, the same model built in __init__),
              and ModelSummary's parameter count. First, before other scenarios warm the heap.
@@ -29,6 +29,10 @@ fabric then with every preset):
     fabric   the same for Fabric (tests/worlds/lightning_fabric_scenarios.py).
     init     sharded init (configure_model / init_module(empty_init=True) at stage 3) starts
              from DDP's weights and generator state (tests/worlds/lightning_init_scenarios.py).
+    pretrained  zero_strategy.transformers.from_pretrained in configure_model and with Fabric
+             (zero3, zero2) against Model.from_pretrained under DDP
+             (tests/worlds/lightning_pretrained_scenarios.py); in the presets launch, not the
+             quick one: importing GPT-2's modeling code alone costs ~2 s per process.
 """
 
 from __future__ import annotations
@@ -69,6 +73,10 @@ from tests.support.models import MLP  # noqa: E402
 from tests.worlds.lightning_fabric_scenarios import fabric_suite  # noqa: E402
 from tests.worlds.lightning_init_scenarios import init_suite  # noqa: E402
 from tests.worlds.lightning_launch import OTHER_PRESETS, QUICK_PRESETS  # noqa: E402
+from tests.worlds.lightning_pretrained_scenarios import (  # noqa: E402
+    pretrained_suite,
+    save_folder,
+)
 from zero_strategy.integrations.shared import CLIENT_KEY  # noqa: E402
 from zero_strategy.lightning import ZeroStrategy, consolidate_checkpoint  # noqa: E402
 
@@ -588,13 +596,16 @@ def _suites() -> dict[str, Callable[[Results, Path], None]]:
         init_suite(results, out)
 
     def presets(results: Results, out: Path) -> None:
+        folder = save_folder(out)  # before the first process group (see save_folder)
         memory_suite(results, out)
         trainer_suite(results, out, OTHER_PRESETS, extras=False)
         fabric_suite(results, out, OTHER_PRESETS, extras=False)
+        pretrained_suite(results, folder)
 
     return {"quick": quick, "presets": presets, "memory": memory_suite,
             "trainer": lambda r, o: trainer_suite(r, o, ALL_PRESETS),
-            "fabric": lambda r, o: fabric_suite(r, o, ALL_PRESETS), "init": init_suite}
+            "fabric": lambda r, o: fabric_suite(r, o, ALL_PRESETS), "init": init_suite,
+            "pretrained": lambda r, o: pretrained_suite(r, save_folder(o))}
 
 
 if __name__ == "__main__":
