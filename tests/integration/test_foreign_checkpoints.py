@@ -216,12 +216,12 @@ def test_hostile_dcp_item_and_lightning_meta_are_refused(written: Path, tmp_path
     meta = pickle.loads((ckpt / ".metadata").read_bytes())  # our own file: trusted here
     blob = io.BytesIO()
     torch.save(_Payload(marker), blob)
-    data = ckpt / "__0_0.distcp"
+    key = next(k for k in meta.storage_data if k.fqn == "train_state.data_step")
+    info = meta.storage_data[key]
+    data = ckpt / info.relative_path  # appended to the file the item is read from
     offset = data.stat().st_size
     with open(data, "ab") as f:
         f.write(blob.getvalue())
-    key = next(k for k in meta.storage_data if k.fqn == "train_state.data_step")
-    info = meta.storage_data[key]
     meta.storage_data[key] = type(info)(info.relative_path, offset, len(blob.getvalue()),
                                         info.transform_descriptors)
     (ckpt / ".metadata").write_bytes(pickle.dumps(meta))

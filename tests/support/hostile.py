@@ -96,6 +96,17 @@ def _one_shard(m: dict[str, Any]) -> None:
     del m["files"][SHARD1]
 
 
+def _into_padding(m: dict[str, Any]) -> None:
+    """The first slot with padding after it moved one element into it."""
+    for unit in m["units"]:
+        ends = [s[2] for s in unit["slots"][1:]] + [unit["shard_numel"] * unit["num_shards"]]
+        for slot, limit in zip(unit["slots"], ends):
+            if slot[2] + slot[3] < limit:
+                slot[2] += 1
+                return
+    raise ValueError("no slot of this checkpoint has padding after it")
+
+
 def _first_param(m: dict[str, Any]) -> str:
     return m["units"][0]["slots"][0][0]
 
@@ -153,6 +164,10 @@ VARIANTS: dict[str, tuple[Edit, str]] = {
                                                      .__setitem__(3, 3)), ".numel' is 3"),
     "huge_numel": (lambda r, o, _: edit_manifest(r / TAG, lambda m: _last_slot(m, 2**40)),
                    "the manifest's unit layout"),
+    # Found by the fuzzer: moved within the padding after it, a slot overlapped nothing and
+    # kept the shard size, and every loader read its weights one element off.
+    "slot_in_padding": (lambda r, o, _: edit_manifest(r / TAG, _into_padding),
+                        "slots start at"),
     "unknown_dtype": (lambda r, o, _: rewrite_header(r / TAG / SHARD0, lambda h: _first_master(
         h).__setitem__("dtype", "F8_E4M3")), "unsupported dtype 'F8_E4M3'"),
     "offsets_past_end": (lambda r, o, _: rewrite_header(r / TAG / SHARD0, lambda h: _first_master(

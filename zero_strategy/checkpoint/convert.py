@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..core.flat import shard_numel_for
 from .read import open_reader
 from .source import ReaderBase
 from .stream import TensorOut, staged_directory, write_safetensors
@@ -148,13 +149,17 @@ def write_zero(reader: ReaderBase, out: Path) -> None:
     for u, name in enumerate(params):
         shape, numel = tuple(params[name]["shape"]), int(torch.Size(params[name]["shape"])
                                                           .numel())
-        units.append({"num_shards": 1, "shard_numel": numel, "shard_align": 1,
+        # A shard holds at least one element (padding, for a parameter of none), as the
+        # engine's layouts do and the reader requires.
+        size = shard_numel_for(numel, 1, 1)
+        units.append({"num_shards": 1, "shard_numel": size, "shard_align": 1,
                       "slots": [[name, list(shape), 0, numel, groups.get(name, 0)]]})
-        shard.append(TensorOut(f"u{u}.master", lambda n=name: reader.read_param(n).reshape(-1)
-                               .float(), (numel,), torch.float32))
+        shard.append(TensorOut(f"u{u}.master", lambda n=name, c=size: _padded(
+            reader.read_param(n), c), (size,), torch.float32))
         for key in state_keys:
-            shard.append(TensorOut(f"u{u}.{key}", lambda n=name, k=key, c=numel: _state(
-                reader, n, k, c), (numel,), torch.float32))
+            shard.append(TensorOut(f"u{u}.{key}", lambda n=name, k=key, c=numel, z=size:
+                                   _padded(_state(reader, n, k, c), z), (size,),
+                                   torch.float32))
     write_safetensors(tag / shard_file(0), shard)
     aliases = manifest["aliases"]
     module = [TensorOut(k, load, shape, dt) for k, load, shape, dt in reader.entries()
@@ -180,6 +185,11 @@ def write_zero(reader: ReaderBase, out: Path) -> None:
     }
     write_atomic(tag / MANIFEST, json.dumps(document, indent=1).encode())
     write_atomic(out / LATEST, CONVERTED_TAG.encode())
+
+
+def _padded(values: torch.Tensor, size: int) -> torch.Tensor:
+    flat = values.reshape(-1).float()
+    return flat if flat.numel() == size else torch.cat([flat, flat.new_zeros(size - flat.numel())])
 
 
 def _state(reader: ReaderBase, name: str, key: str, numel: int) -> torch.Tensor:

@@ -16,7 +16,11 @@ are read as one.
 
 ``.metadata`` is unpickled with an allow-list of DCP's own classes and every item with
 torch's weights_only unpickler (``pickles.py``), unlike DCP's reader, which loads non-tensor
-items with ``weights_only=False``.
+items with ``weights_only=False``. Before any item is read, every number ``.metadata`` gives
+is checked against the files (``_check_metadata``, through ``bounds.py``): each item's byte
+window lies inside its data file and shares no byte with another's, each chunk's bytes fit
+its window, and each tensor's chunks cover its size exactly, so no size in the metadata is
+allocated unless the files hold its bytes.
 """
 
 from __future__ import annotations
@@ -29,53 +33,27 @@ from typing import Any
 
 import torch
 
+from .bounds import (
+    Window,
+    byte_range,
+    check_archive,
+    disjoint,
+    dtype,
+    exact_cover,
+    fail,
+    fits,
+    nbytes,
+    shape,
+)
 from .pickles import load_plain_pickle, load_torch_bytes, load_torch_file
 from .source import ReaderBase, foreign_manifest
-from .verify import member
+from .verify import member, plain_name
 from .write import CheckpointError
 
 METADATA = ".metadata"
 LIGHTNING_META = "meta.pt"
 _MODEL_ROOTS = ("model", "state_dict")
 _OPTIM_ROOT = re.compile(r"^(optimizer|optim|optimizer_0)$")
-
-
-class _Window(io.RawIOBase):
-    """Bytes [offset, offset + length) of a file as a seekable stream of their own."""
-
-    def __init__(self, path: Path, offset: int, length: int) -> None:
-        self._f = open(path, "rb")
-        self._start, self._len, self._pos = offset, length, 0
-        size = path.stat().st_size
-        if offset < 0 or length < 0 or offset + length > size:
-            self._f.close()
-            raise CheckpointError(f"{path}: an item at bytes [{offset}, {offset + length}) "
-                                  f"is outside the file's {size} (truncated?)")
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._len}[whence]
-        self._pos = min(max(0, base + pos), self._len)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        n = min(len(buffer), self._len - self._pos)
-        self._f.seek(self._start + self._pos)
-        got = self._f.readinto(memoryview(buffer)[:n])
-        self._pos += got or 0
-        return got or 0
-
-    def close(self) -> None:
-        self._f.close()
-        super().close()
 
 
 ACCELERATE_DIRS = ("pytorch_model_fsdp_0", "optimizer_0")
@@ -85,12 +63,110 @@ ACCELERATE_DIRS = ("pytorch_model_fsdp_0", "optimizer_0")
 
 def dcp_directories(path: Path) -> list[Path]:
     """The DCP directories a checkpoint at ``path`` is made of (none: not DCP)."""
-    if (path / METADATA).is_file():
+    if _present(path / METADATA):
         return [path]
     model, optimizer = (path / d for d in ACCELERATE_DIRS)
-    if (model / METADATA).is_file():
-        return [model] + ([optimizer] if (optimizer / METADATA).is_file() else [])
+    if _present(model / METADATA):
+        return [model] + ([optimizer] if _present(optimizer / METADATA) else [])
     return []
+
+
+def _present(path: Path) -> bool:
+    """Whether something is there, of any kind: what it is (a FIFO? a link out?) is for
+    ``member`` to refuse by name, not a reason to try another format."""
+    return path.exists() or path.is_symlink()
+
+
+def _check_metadata(directory: Path, items: Any, paths: dict[Any, Any], storage: dict[Any, Any]
+                    ) -> dict[tuple[str, tuple[int, ...]], tuple[Path, int, int]]:
+    """Every number of one directory's ``.metadata`` against its files; the byte window of
+    each stored item, by (key, chunk offsets)."""
+    file = directory / METADATA
+    unplaced = [k for k in items if k not in paths]
+    if unplaced:
+        raise fail(file, repr(unplaced[0]), f"is in state_dict_metadata, but planner_data "
+                   f"gives no path for it ({len(unplaced)} such keys)")
+    for flat, path in paths.items():
+        if not (isinstance(flat, str) and isinstance(path, tuple) and path
+                and ".".join(map(str, path)) == flat):
+            raise fail(file, f"planner_data[{flat!r}]", f"the path {path!r} does not spell "
+                       "the key (DCP joins a path's parts with '.')")
+        if flat not in items:
+            raise fail(file, repr(flat), "is in planner_data but not in state_dict_metadata")
+    windows = _windows(directory, storage)
+    for flat in paths:
+        _check_item(file, flat, items[flat], windows)
+    return windows
+
+
+def _windows(directory: Path, storage: dict[Any, Any]
+             ) -> dict[tuple[str, tuple[int, ...]], tuple[Path, int, int]]:
+    """Each storage entry's data file and byte window: a plain name in the directory, the
+    window inside the file, no two windows sharing a byte."""
+    file = directory / METADATA
+    windows: dict[tuple[str, tuple[int, ...]], tuple[Path, int, int]] = {}
+    sizes: dict[str, int] = {}
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    for index, info in storage.items():
+        fqn, offset = getattr(index, "fqn", None), getattr(index, "offset", None)
+        offset = () if offset is None else offset
+        key = f"storage_data[{fqn!r} at {list(offset) if isinstance(offset, tuple) else offset}]"
+        if not isinstance(fqn, str):
+            raise fail(file, key, "names no key")
+        at = shape(file, key, offset, "the chunk offset")
+        if getattr(info, "transform_descriptors", None):
+            raise fail(file, key, f"is stored through transforms {info.transform_descriptors} "
+                       "(compression?), which this reader does not apply")
+        name = plain_name(getattr(info, "relative_path", None), f"{file}: {key}: relative_path")
+        data = directory / name
+        if name not in sizes:
+            member(directory, data, f"data file {name!r}")
+            sizes[name] = data.stat().st_size
+        start, end = byte_range(data, key, getattr(info, "offset", None),
+                                getattr(info, "length", None), sizes[name])
+        spans.setdefault(name, []).append((start, end, f"{fqn} at {list(at)}"))
+        windows[(fqn, at)] = (data, start, end)
+    for name, ranges in spans.items():
+        disjoint(directory / name, ranges)
+    return windows
+
+
+def _check_item(file: Path, flat: str, item: Any,
+                windows: dict[tuple[str, tuple[int, ...]], tuple[Path, int, int]]) -> None:
+    """A bytes item has a window; a tensor item's chunks each have one holding their bytes,
+    and cover its size exactly."""
+    key = repr(flat)
+    if not hasattr(item, "chunks"):
+        if (flat, ()) not in windows:
+            raise fail(file, key, "has no stored bytes in storage_data")
+        return
+    of = dtype(file, key, getattr(getattr(item, "properties", None), "dtype", None))
+    size = shape(file, key, getattr(item, "size", None))
+    if not isinstance(item.chunks, list):
+        raise fail(file, key, f"chunks must be a list, got {type(item.chunks).__name__}")
+    chunks = []
+    for chunk in item.chunks:
+        offsets = shape(file, key, getattr(chunk, "offsets", None), "a chunk's offsets")
+        sizes = shape(file, key, getattr(chunk, "sizes", None), "a chunk's sizes")
+        window = windows.get((flat, offsets))
+        if window is None:
+            raise fail(file, key, f"the chunk at {list(offsets)} has no stored bytes in "
+                       "storage_data")
+        fits(window[0], f"item {flat!r} at {list(offsets)}", nbytes(sizes, of),
+             window[2] - window[1], f"a chunk of {list(sizes)} {of}")
+        chunks.append((offsets, sizes))
+    exact_cover(file, key, size, chunks)
+
+
+def _scalar(path: Path, flat: str, value: Any) -> float:
+    """An optimizer scalar (Adam's step) as a finite float."""
+    if torch.is_tensor(value) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
+            value):
+        raise fail(path, repr(flat), f"an optimizer scalar must be a finite number, got "
+                   f"{value!r:.60}")
+    return float(value)
 
 
 class DcpReader(ReaderBase):
@@ -100,7 +176,7 @@ class DcpReader(ReaderBase):
         self.path = path
         self._trust = trust
         self._items: dict[str, Any] = {}
-        self._storage: dict[tuple[str, tuple[int, ...]], tuple[Path, Any]] = {}
+        self._storage: dict[tuple[str, tuple[int, ...]], tuple[Path, int, int]] = {}
         self._paths: dict[str, tuple[Any, ...]] = {}
         for directory in dcp_directories(path):
             self._add(directory)
@@ -120,10 +196,10 @@ class DcpReader(ReaderBase):
         if not paths:
             raise CheckpointError(f"{directory / METADATA}: no planner_data (saved without "
                                   "flattening): the state dict's structure is unknown")
+        self._storage.update(_check_metadata(directory, meta.state_dict_metadata, paths,
+                                             meta.storage_data))
         self._items.update(meta.state_dict_metadata)
         self._paths.update(paths)
-        self._storage.update({(k.fqn, tuple(k.offset or ())): (directory, v)
-                              for k, v in meta.storage_data.items()})
 
     # ------------------------------------------------------------------ structure
     def _sort(self) -> None:
@@ -147,7 +223,10 @@ class DcpReader(ReaderBase):
             elif p[0] == optim_root and len(p) == 4 and p[1] == "state":
                 self.states.setdefault(str(p[2]), {})[str(p[3])] = flat
             elif p[0] == optim_root and len(p) == 4 and p[1] == "param_groups":
-                self.group_items.setdefault(int(p[2]), {})[str(p[3])] = flat
+                if isinstance(p[2], bool) or not isinstance(p[2], int):
+                    raise fail(self.path, repr(flat), f"the param group index {p[2]!r} in its "
+                               "planner_data path must be an int")
+                self.group_items.setdefault(p[2], {})[str(p[3])] = flat
             elif p[0] == optim_root and len(p) == 2 and str(p[1]).startswith(
                     ("state.", "param_groups.")):
                 flattened.append((str(p[1]), flat))
@@ -174,7 +253,11 @@ class DcpReader(ReaderBase):
         names: list[list[str]] = []
         for g in sorted(self.group_items):
             values = {k: self._bytes(f) for k, f in self.group_items[g].items()}
-            names.append([str(n) for n in values.pop("params", [])])
+            params = values.pop("params", [])
+            if not isinstance(params, (list, tuple)):
+                raise fail(self.path, repr(self.group_items[g]["params"]), "a param group's "
+                           f"params must be a list of names, got {type(params).__name__}")
+            names.append([str(n) for n in params])
             groups.append({k: list(v) if isinstance(v, tuple) else v for k, v in values.items()})
         # Flattened: parameters with the same values were one group (their saved order).
         for name in (n for n in self.model if n in self.param_group_items):
@@ -203,20 +286,20 @@ class DcpReader(ReaderBase):
             global_step=int(max(steps, default=0)), written_by="torch.distributed.checkpoint",
             group_names=names or None)
 
-    def _record(self, name: str, shape: tuple[int, ...]) -> dict[str, Any]:
+    def _record(self, name: str, dims: tuple[int, ...]) -> dict[str, Any]:
         scalars, tensors = {}, []
         for key, flat in self.states[name].items():
             item = self._items[flat]
             size = tuple(getattr(item, "size", ()))
-            if hasattr(item, "chunks") and size == shape and key != "step":
+            if hasattr(item, "chunks") and size == dims and key != "step":
                 tensors.append(key)
             elif hasattr(item, "chunks") and math.prod(size) == 1:
-                scalars[key] = float(self._whole(flat).reshape(-1)[0])
+                scalars[key] = _scalar(self.path, flat, self._whole(flat).reshape(-1)[0])
             elif not hasattr(item, "chunks"):
-                scalars[key] = float(self._bytes(flat))
+                scalars[key] = _scalar(self.path, flat, self._bytes(flat))
             else:
                 raise CheckpointError(f"{self.path}: optimizer state {key!r} of {name!r} has "
-                                      f"shape {list(size)}, the parameter {list(shape)}")
+                                      f"shape {list(size)}, the parameter {list(dims)}")
         return {"scalars": scalars, "tensors": tensors}
 
     def _tensor_meta(self, flat: str) -> Any:
@@ -227,40 +310,35 @@ class DcpReader(ReaderBase):
 
     # ------------------------------------------------------------------ items
     def _item(self, flat: str, offset: Any) -> Any:
-        found = self._storage.get((flat, tuple(offset)))
-        if found is None:
-            raise CheckpointError(f"{self.path}: no stored data for {flat!r} at "
-                                  f"{list(offset)}")
-        directory, info = found
-        if getattr(info, "transform_descriptors", None):
-            raise CheckpointError(f"{self.path}: {flat!r} is stored through transforms "
-                                  f"{info.transform_descriptors} (compression?), not read")
-        file = directory / str(info.relative_path)
-        member(directory, file, f"data file {info.relative_path!r}")
-        with _Window(file, int(info.offset), int(info.length)) as window:
-            return load_torch_bytes(io.BufferedReader(window), file, trust=self._trust)
+        """One stored item, from the window ``_check_metadata`` bounded, its archive checked."""
+        file, start, end = self._storage[(flat, tuple(offset))]
+        check_archive(file, f"item {flat!r} at {list(offset)}", start, end - start)
+        with open(file, "rb") as f:
+            window = io.BufferedReader(Window(f, start, end - start))
+            return load_torch_bytes(window, file, trust=self._trust)
 
     def _bytes(self, flat: str) -> Any:
         return self._item(flat, ())
 
     def _whole(self, flat: str) -> torch.Tensor:
-        """The whole tensor of a flattened key, from its chunks (one tensor at a time)."""
+        """The whole tensor of a flattened key, from its chunks (one tensor at a time). Its
+        size is no longer a claim: the chunks cover it exactly and their bytes are stored."""
         if self._cache is not None and self._cache[0] == flat:
             return self._cache[1]
         meta = self._tensor_meta(flat)
         out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        covered = 0
         for chunk in meta.chunks:
             value = self._item(flat, chunk.offsets)
-            if not torch.is_tensor(value) or tuple(value.shape) != tuple(chunk.sizes):
-                raise CheckpointError(f"{self.path}: a chunk of {flat!r} is not a tensor of "
-                                      f"shape {list(chunk.sizes)}")
+            if not torch.is_tensor(value) or tuple(value.shape) != tuple(chunk.sizes) or (
+                    value.dtype != out.dtype):
+                got = (f"{value.dtype} {list(value.shape)}" if torch.is_tensor(value)
+                       else type(value).__name__)
+                raise CheckpointError(
+                    f"{self._storage[(flat, tuple(chunk.offsets))][0]}: item {flat!r} at "
+                    f"{list(chunk.offsets)} is {got}, .metadata says {out.dtype} "
+                    f"{list(chunk.sizes)}")
             index = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
             out[index] = value
-            covered += value.numel()
-        if covered != out.numel():
-            raise CheckpointError(f"{self.path}: the chunks of {flat!r} cover {covered} of "
-                                  f"its {out.numel()} elements")
         self._cache = (flat, out)
         return out
 
@@ -288,6 +366,11 @@ class DcpReader(ReaderBase):
             node = state
             for part in path[:-1]:
                 node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    break
+            if not isinstance(node, dict) or path[-1] in node:
+                raise fail(self.path, repr(flat), f"its path {path!r} runs into another "
+                           "entry's (two planner_data paths that nest into each other)")
             node[path[-1]] = value
         meta = self.path / LIGHTNING_META
         if meta.is_file():

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .bounds import count, fail, shape
 from .pickles import load_torch_file
 from .source import MappedFile, ReaderBase, copy_flat, foreign_manifest
 from .verify import member, plain_name
@@ -52,7 +53,7 @@ def deepspeed_tag(directory: Path, tag: str | None = None) -> Path | None:
     ``save_checkpoint`` or a tag directory), or None if it is not laid out as one."""
     if not directory.is_dir():
         return None
-    if tag is None and _model_files(directory):
+    if tag is None and _states_files(directory):
         return directory
     if tag is None:
         latest = directory / "latest"
@@ -65,14 +66,17 @@ def deepspeed_tag(directory: Path, tag: str | None = None) -> Path | None:
         path = directory / plain_name(tag, f"{directory}: tag")
     except CheckpointError:
         return None
-    if not path.is_dir() or not _model_files(path):
+    if not path.is_dir() or not _states_files(path):
         return None
     member(directory, path, f"tag directory {tag!r}", directory=True)
     return path
 
 
-def _model_files(path: Path) -> list[Path]:
-    return sorted(p for p in path.iterdir() if p.name.endswith("model_states.pt"))
+def _states_files(path: Path) -> list[Path]:
+    """What tells a DeepSpeed tag directory: its model- or optimizer-states files (either
+    alone is an incomplete save, refused by name rather than read as another format)."""
+    return sorted(p for p in path.iterdir() if p.name.endswith(("model_states.pt",
+                                                                 "optim_states.pt")))
 
 
 def _rank_files(path: Path, kind: str) -> list[Path]:
@@ -117,9 +121,9 @@ class DeepSpeedReader(ReaderBase):
         self._optim: list[dict[str, Any] | None] = [None] * len(optim_files)
         self._mapped = [MappedFile(f) for f in optim_files]
         first = self._optimizer_state(0)
-        self.stage = _field(optim_files[0], first, "zero_stage", int)
-        if self.stage not in (1, 2, 3):
-            raise CheckpointError(f"{optim_files[0]}: field 'zero_stage' is {self.stage}")
+        self.stage = count(optim_files[0], "field 'zero_stage'",
+                           _field(optim_files[0], first, "zero_stage", int), "the stage",
+                           low=1, high=3)
         self.world = len(optim_files)
         counts = first.get("partition_count")
         counts = counts if isinstance(counts, list) else [counts]
@@ -128,16 +132,39 @@ class DeepSpeedReader(ReaderBase):
                 f"{optim_files[0]}: field 'partition_count' is {counts} but {self.world} "
                 "optimizer files exist (an overwritten or partial checkpoint, or expert "
                 "parallelism, which is not read)")
-        model_files = _rank_files(path, "model") if self.stage == 3 else [path / _MODEL_FILE]
-        if not model_files or not model_files[0].is_file():
-            raise CheckpointError(f"{path}: the model-states file is missing")
-        self._model_files = model_files
-        self.states = load_torch_file(model_files[0], trust=trust)
+        self._model_files = self._model_files_of(path)
+        self.states = load_torch_file(self._model_files[0], trust=trust)
         if not isinstance(self.states, dict):
-            raise CheckpointError(f"{model_files[0]}: not a DeepSpeed model-states file")
+            raise CheckpointError(f"{self._model_files[0]}: not a DeepSpeed model-states file")
+        world = self.states.get("dp_world_size", self.world)
+        if world != self.world:
+            raise CheckpointError(f"{self._model_files[0]}: field 'dp_world_size' is {world!r}, "
+                                  f"but {self.world} optimizer files exist")
         self._frozen: dict[str, torch.Tensor] = {}
+        self._fragments: dict[Path, Any] = {}
         self._layout()
         self.manifest = self._describe()
+        self._check_partitions()
+
+    def _model_files_of(self, path: Path) -> list[Path]:
+        """The model-states files: one at stages 1-2; one per rank at stage 3, every one of
+        them, as DeepSpeed's own loader requires (each holds its rank's share of the frozen
+        parameters, and the set is what tells a complete save)."""
+        if self.stage < 3:
+            file = path / _MODEL_FILE
+            if not file.exists() and not file.is_symlink():
+                raise CheckpointError(f"{file}: the model-states file is missing")
+            return [member(path, file, _MODEL_FILE)]
+        files = _rank_files(path, "model")
+        if len(files) != self.world:
+            names = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"
+                     for r in range(min(len(files), self.world), max(len(files), self.world))]
+            problem = "are missing" if len(files) < self.world else "have no optimizer file"
+            raise CheckpointError(
+                f"{path}: {names} {problem}: ZeRO stage 3 writes one model-states file per "
+                f"rank, and {self.world} ranks wrote optimizer files (an incomplete save; "
+                "DeepSpeed refuses it too)")
+        return files
 
     # ------------------------------------------------------------------ files
     def _optimizer_state(self, rank: int) -> dict[str, Any]:
@@ -155,55 +182,107 @@ class DeepSpeedReader(ReaderBase):
         file = self._optim_files[rank]
         if key == "master":
             field = "single_partition_of_fp32_groups" if self.stage < 3 else "fp32_flat_groups"
-            return list(_field(file, state, field, list))
-        if self.stage < 3:
-            base = _field(file, state, "base_optimizer_state", (dict, list))
-            entries = base["state"] if isinstance(base, dict) else dict(enumerate(base))
+            flats = list(_field(file, state, field, list))
         else:
-            entries = _field(file, state, "optimizer_state_dict", dict)["state"]
-        try:
-            return [entries[i][key] for i in sorted(entries)]
-        except (KeyError, TypeError) as e:
-            raise CheckpointError(f"{file}: optimizer state {key!r} is missing for a "
-                                  "group") from e
+            if self.stage < 3:
+                base = _field(file, state, "base_optimizer_state", (dict, list))
+                entries = base["state"] if isinstance(base, dict) else dict(enumerate(base))
+            else:
+                entries = _field(file, state, "optimizer_state_dict", dict)["state"]
+            try:
+                flats = [entries[i][key] for i in sorted(entries)]
+            except (KeyError, TypeError) as e:
+                raise CheckpointError(f"{file}: optimizer state {key!r} is missing for a "
+                                      "group") from e
+        for i, flat in enumerate(flats):
+            if not (torch.is_tensor(flat) and flat.is_floating_point() and flat.dim() == 1):
+                got = f"{flat.dtype} {list(flat.shape)}" if torch.is_tensor(flat) else type(
+                    flat).__name__
+                raise fail(file, f"{key} of group {i}", f"must be a flat float tensor, got {got}")
+        return flats
 
     # ------------------------------------------------------------------ layout
     def _layout(self) -> None:
         """Where each trainable parameter's elements are: ``self.where[name]``."""
         file = self._model_files[0]
-        shapes = _field(file, self.states, "param_shapes", list)
-        self.groups = [[(str(n), tuple(int(d) for d in s)) for n, s in g.items()]
-                       for g in shapes]
+        self.groups = []
+        for g, group in enumerate(_field(file, self.states, "param_shapes", list)):
+            if not isinstance(group, dict):
+                raise fail(file, f"param_shapes[{g}]", "must map names to shapes")
+            self.groups.append([(str(n), shape(file, f"param_shapes[{g}][{n!r}]", s, "shape"))
+                                for n, s in group.items()])
+        names = [n for g in self.groups for n, _ in g]
+        if len(set(names)) != len(names):
+            raise fail(file, "param_shapes", "names a parameter twice")
         self.where: dict[str, tuple[int, int, int]] = {}
+        self._need: list[int] = []
+        """Stages 1-2: the elements each group's layout reads."""
         if self.stage < 3:
             self._layout_flat_groups()
         else:
             self._layout_per_parameter()
 
+    def _paddings(self) -> list[list[int]]:
+        """Stages 1-2: the elements of padding after each parameter of each group."""
+        file = self._optim_files[0]
+        paddings = self._optimizer_state(0).get("param_alignment_paddings")
+        if paddings is None:
+            return [[0] * len(g) for g in self.groups]
+        if not isinstance(paddings, list) or [len(p) if isinstance(p, list) else None
+                                              for p in paddings] != [len(g) for g in self.groups]:
+            raise fail(file, "param_alignment_paddings", "must list one padding per parameter "
+                       "of each group in param_shapes")
+        return [[count(file, f"param_alignment_paddings[{g}]", p, "a padding")
+                 for p in group] for g, group in enumerate(paddings)]
+
     def _layout_flat_groups(self) -> None:
         file = self._optim_files[0]
-        state = self._optimizer_state(0)
-        paddings = state.get("param_alignment_paddings")
+        paddings = self._paddings()
         self.partition = [p.numel() for p in self._flat(0, "master")]
         if len(self.partition) != len(self.groups):
             raise CheckpointError(f"{file}: {len(self.partition)} fp32 partitions for "
                                   f"{len(self.groups)} param groups")
         for g, params in enumerate(self.groups):
             offset = 0
-            for i, (name, shape) in enumerate(params):
-                numel = math.prod(shape)
+            for i, (name, dims) in enumerate(params):
+                numel = math.prod(dims)
                 self.where[name] = (g, offset, numel)
-                offset += numel + (int(paddings[g][i]) if paddings else 0)
+                offset += numel + paddings[g][i]
+            self._need.append(offset)
             if offset > self.partition[g] * self.world:
                 raise CheckpointError(
                     f"{file}: group {g} needs {offset} elements, the {self.world} partitions "
                     f"hold {self.partition[g] * self.world}: not the layout of these shapes")
+        self._check_end_padding()
+
+    def _check_end_padding(self) -> None:
+        """DeepSpeed records each group's end padding (``group_paddings``, in the last rank's
+        file; 0 in the others'): with it, the shapes and paddings must fill the partitions
+        exactly, so a shape changed in the model states cannot shift where the later
+        parameters are read from."""
+        ends = [0] * len(self.groups)
+        for rank in range(self.world):
+            file = self._optim_files[rank]
+            found = self._optimizer_state(rank).get("group_paddings")
+            if found is None:  # older DeepSpeed: only the bound above
+                return
+            if not isinstance(found, list) or len(found) != len(self.groups):
+                raise fail(file, "group_paddings", f"must list one padding per group, got "
+                           f"{found!r}")
+            for g, end in enumerate(found):
+                ends[g] += count(file, f"group_paddings[{g}]", end, "a padding")
+        for g, (need, end) in enumerate(zip(self._need, ends)):
+            if need + end != self.partition[g] * self.world:
+                raise fail(self._model_files[0], f"param_shapes[{g}]", f"the shapes and "
+                           f"paddings need {need} elements and the group's end padding is "
+                           f"{end}, but the {self.world} partitions hold "
+                           f"{self.partition[g] * self.world}: not the layout of these shapes")
 
     def _layout_per_parameter(self) -> None:
         offset = 0
         for params in self.groups:
-            for name, shape in params:
-                numel = math.prod(shape)
+            for name, dims in params:
+                numel = math.prod(dims)
                 self.where[name] = (0, offset, numel)
                 offset += -(-numel // self.world)
         for rank in range(self.world):
@@ -212,6 +291,38 @@ class DeepSpeedReader(ReaderBase):
                 raise CheckpointError(
                     f"{self._optim_files[rank]}: {held} master elements, the parameter "
                     f"shapes need {offset} per rank: not the layout of these shapes")
+
+    def _check_partitions(self) -> None:
+        """Every rank's flat vectors hold what the layout reads from them, so no range read
+        from any rank reaches past what that rank stores. Stage 3: each state as the rank's
+        masters, sub-group by sub-group. Stages 1-2: each group's partition at most rank 0's
+        size and at least what the layout reads there (DeepSpeed saves the last rank's
+        masters without the group's end padding, its moments with it)."""
+        keys = sorted({k for r in self.manifest["param_states"].values() for k in r["tensors"]})
+        for rank in range(self.world):
+            file = self._optim_files[rank]
+            masters = [t.numel() for t in self._flat(rank, "master")]
+            if self.stage == 3:
+                needed, allowed = masters, masters
+            else:
+                needed = [min(max(need - rank * size, 0), size)
+                          for need, size in zip(self._need, self.partition)]
+                allowed = self.partition
+            for key in ["master", *keys]:
+                held = [t.numel() for t in self._flat(rank, key)]
+                if len(held) != len(needed) or any(
+                        not n <= h <= a for h, n, a in zip(held, needed, allowed)):
+                    raise fail(file, f"optimizer state {key!r}", f"holds {held} elements per "
+                               f"group; the layout reads {needed} from this rank, of partitions "
+                               f"of {allowed} (damaged, or the ranks are from different saves)")
+        self._check_frozen_shapes()
+
+    def _check_frozen_shapes(self) -> None:
+        frozen = self.states.get("frozen_param_shapes") or {}
+        if not isinstance(frozen, dict):
+            raise fail(self._model_files[0], "frozen_param_shapes", "must map names to shapes")
+        for key, dims in frozen.items():
+            shape(self._model_files[0], f"frozen_param_shapes[{key!r}]", dims, "shape")
 
     def read_range(self, name: str, key: str, start: int, end: int) -> torch.Tensor:
         group, offset, numel = self.where[name]
@@ -242,7 +353,10 @@ class DeepSpeedReader(ReaderBase):
         module = _field(file, states, "module", dict)
         params = {n: s for g in self.groups for n, s in g}
         aliases = {n: n for n in params}
-        for alias, source in (states.get("shared_params") or {}).items():
+        shared = states.get("shared_params") or {}
+        if not isinstance(shared, dict):
+            raise fail(file, "shared_params", "must map names to names")
+        for alias, source in shared.items():
             if source in params:
                 aliases[str(alias)] = source
         keys = list(module)
@@ -251,8 +365,10 @@ class DeepSpeedReader(ReaderBase):
         self._module = {k: v for k, v in module.items() if k not in aliases}
         return foreign_manifest(
             params=params, state_dict_keys=keys, aliases=aliases, param_groups=groups,
-            param_states=records, global_step=int(states.get("global_steps") or 0),
-            skipped_steps=int(states.get("skipped_steps") or 0),
+            param_states=records,
+            global_step=count(file, "global_steps", states.get("global_steps") or 0, "a count"),
+            skipped_steps=count(file, "skipped_steps", states.get("skipped_steps") or 0,
+                                "a count"),
             written_by=f"DeepSpeed {states.get('ds_version', '?')} ZeRO stage {self.stage}",
             group_names=[[n for n, _ in g] for g in self.groups])
 
@@ -290,13 +406,33 @@ class DeepSpeedReader(ReaderBase):
         frozen = self.states.get("frozen_param_shapes") or {}
         if self.stage == 3 and key in frozen:  # frozen: a fragment per rank, like the masters
             if key not in self._frozen:
-                shape = tuple(frozen[key])
-                frags = [load_torch_file(f, trust=self._trust)["frozen_param_fragments"][key]
-                         for f in self._model_files]
-                self._frozen[key] = torch.cat([f.reshape(-1) for f in frags])[
-                    : math.prod(shape)].view(shape)
+                self._frozen[key] = self._frozen_param(key, tuple(frozen[key]))
             return self._frozen[key]
-        return self._module[key]
+        value = self._module[key]
+        if not torch.is_tensor(value):
+            raise fail(self._model_files[0], f"module[{key!r}]",
+                       f"must be a tensor, got {type(value).__name__}")
+        return value
+
+    def _frozen_param(self, key: str, dims: tuple[int, ...]) -> torch.Tensor:
+        """A stage-3 frozen parameter from every rank's fragment, each checked to be there."""
+        frags = []
+        for file in self._model_files:
+            if file not in self._fragments:  # each file read (and its archive checked) once
+                loaded = load_torch_file(file, trust=self._trust)
+                self._fragments[file] = (loaded.get("frozen_param_fragments") or {}) if (
+                    isinstance(loaded, dict)) else {}
+            found = self._fragments[file]
+            frag = found.get(key) if isinstance(found, dict) else None
+            if not torch.is_tensor(frag):
+                raise fail(file, f"frozen_param_fragments[{key!r}]", "is missing (every rank "
+                           "holds a fragment of each frozen parameter)")
+            frags.append(frag.reshape(-1))
+        held = sum(f.numel() for f in frags)
+        if held < math.prod(dims):
+            raise fail(self._model_files[0], f"frozen_param_shapes[{key!r}]",
+                       f"is {list(dims)}, but the ranks' fragments hold {held} elements")
+        return torch.cat(frags)[: math.prod(dims)].view(dims)
 
     def client_state(self) -> dict[str, Any]:
         state = {k: v for k, v in self.states.items() if k not in _DS_KEYS}

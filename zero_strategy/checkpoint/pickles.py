@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .bounds import check_archive
 from .write import CheckpointError
 
 TRUST_ENV = "ZERO_STRATEGY_TRUST_PICKLES"
@@ -135,7 +136,19 @@ def _refused(path: Path, error: Exception) -> CheckpointError:
 
 
 def load_torch_file(path: Path, *, trust: bool | None = None, mmap: bool = True) -> Any:
-    """A ``torch.save`` file, memory-mapped (tensors are read when touched)."""
+    """A ``torch.save`` file, memory-mapped (tensors are read when touched), after its
+    archive is checked record by record (``bounds.check_archive``). The format of torch
+    before 1.6 (not a zip archive) is read only when trusted: its storage sizes are allocated
+    as the file states them, before anything could compare them with the file."""
+    with open(path, "rb") as f:
+        zipped = f.read(4) == b"PK\x03\x04"
+    if zipped:
+        check_archive(path)
+    elif not trusted(trust):
+        raise CheckpointError(
+            f"{path}: not a torch.save zip archive (torch >= 1.6 writes one); the older format "
+            "allocates the sizes it states before they can be checked, so it is read only "
+            f"with trust_pickles=True or {TRUST_ENV}=1")
     if trusted(trust):
         return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     try:

@@ -157,6 +157,10 @@ class CheckpointReader(ReaderBase):
         layout = self.layouts[unit]
         lo, hi = slot.offset + start, slot.offset + end
         n = layout.shard_numel
+        if hi == lo:  # a parameter of no elements (its slot may sit past the last shard)
+            entry = self._open(shard_file(0)).header.get(f"u{unit}.{key}")
+            return torch.empty(0, dtype=DTYPES_FROM_ST[entry["dtype"]] if entry else
+                               torch.float32)
         parts = []
         for k in range(lo // n, (hi - 1) // n + 1):
             handle = self._open(shard_file(k if layout.num_shards > 1 else 0))

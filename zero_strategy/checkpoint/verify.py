@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from ..config import PRECISIONS
-from ..core.flat import shard_numel_for
+from ..core.flat import ALIGN_ELEMENTS, shard_numel_for
+from . import bounds
 from .write import (
     CLIENT_FILE,
     FORMAT,
@@ -305,6 +306,12 @@ def _slot(file: Path, slot: Any, where: str, previous_end: int) -> str:
     if slot[2] < previous_end:
         raise _fail(file, f"{where}.offset", f"{slot[2]} overlaps the previous slot (ends at "
                     f"{previous_end})")
+    # Where the writer puts it, exactly: a slot moved within the padding before the next
+    # boundary overlaps nothing, keeps the shard size, and would read shifted weights.
+    expected = -(-previous_end // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+    if slot[2] != expected:
+        raise _fail(file, f"{where}.offset", f"is {slot[2]}; slots start at the first multiple "
+                    f"of {ALIGN_ELEMENTS} elements after the previous slot's end ({expected})")
     return slot[0]
 
 
@@ -418,25 +425,27 @@ def read_header(path: Path, size: int) -> tuple[dict[str, dict[str, Any]], int]:
 
 
 def _check_entry(path: Path, name: str, entry: Any, data_bytes: int) -> None:
+    """One header entry through the readers' shared checks (``bounds.py``): a known dtype, a
+    shape, ``data_offsets`` inside the data, and a span of exactly the shape's bytes."""
     where = f"{path}: tensor {name!r}"
     if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES_FROM_ST:
         got = entry.get("dtype") if isinstance(entry, dict) else entry
         raise CheckpointError(f"{where}: unsupported dtype {got!r} (this reader knows "
                               f"{', '.join(DTYPES_FROM_ST)})")
-    shape, offsets = entry.get("shape"), entry.get("data_offsets")
-    if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise CheckpointError(f"{where}: field 'shape' must be a list of sizes, got {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(
-            isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1] <= data_bytes):
-        raise CheckpointError(f"{where}: field 'data_offsets' {offsets!r} lies outside the "
-                              f"file's {data_bytes} data bytes")
-    itemsize = DTYPES_FROM_ST[entry["dtype"]].itemsize
-    if math.prod(shape) * itemsize != offsets[1] - offsets[0]:
-        raise CheckpointError(f"{where}: field 'shape' {shape} needs "
-                              f"{math.prod(shape) * itemsize} bytes, 'data_offsets' span "
-                              f"{offsets[1] - offsets[0]}")
+    key = f"tensor {name!r}"
+    dims = bounds.shape(path, key, entry.get("shape"), "field 'shape'")
+    offsets = entry.get("data_offsets")
+    if not (isinstance(offsets, list) and len(offsets) == 2):
+        raise bounds.fail(path, key, f"field 'data_offsets' must be [begin, end], got "
+                          f"{offsets!r}")
+    begin = bounds.count(path, key, offsets[0], "field 'data_offsets' begin")
+    end = bounds.count(path, key, offsets[1], "field 'data_offsets' end", low=begin)
+    bounds.byte_range(path, f"{key} field 'data_offsets'", begin, end - begin, data_bytes,
+                      within="data section")
+    need = bounds.nbytes(dims, DTYPES_FROM_ST[entry["dtype"]])
+    if need != end - begin:
+        raise CheckpointError(f"{where}: field 'shape' {list(dims)} needs {need} bytes, "
+                              f"'data_offsets' span {end - begin}")
 
 
 def check_tensors(path: Path, manifest: dict[str, Any],

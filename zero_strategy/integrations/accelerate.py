@@ -606,7 +606,9 @@ class ZeroAccelerator(Accelerator):
         # (``latest`` and a ``pytorch_model`` tag) beside Accelerate's files, its FSDP
         # integration two DCP directories (model and optimizer): either is read in place.
         source = folder / CHECKPOINT_SUBDIR
-        if not source.exists() and ((folder / "latest").is_file() or dcp_directories(folder)):
+        latest = folder / "latest"  # of any kind: the reader refuses a FIFO or a link out
+        if not source.exists() and (latest.exists() or latest.is_symlink()
+                                    or dcp_directories(folder)):
             source = folder
         current = self.engine.user_optimizer.param_groups
 
@@ -753,7 +755,7 @@ def _reject_other_backends(kwargs: dict[str, Any]) -> None:
             )
 
 
-def _has_accelerator_device() -> bool:
+def has_accelerator_device() -> bool:
     probe = getattr(torch, "accelerator", None)
     if probe is not None and hasattr(probe, "is_available"):
         return bool(probe.is_available())
