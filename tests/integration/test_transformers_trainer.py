@@ -17,7 +17,8 @@ VARIANTS = ["z1", "z2", "z3off"]
 SCENARIOS = ["fit_ddp", *(f"fit_{v}" for v in VARIANTS), *(f"resume_{v}" for v in VARIANTS),
              "sft_ddp", "sft_z0", "sft_z3", "generate_ddp", "generate_z2", "generate_z3",
              "best_ddp", "best_z3", "precision", "streamed_ddp", "streamed_z3",
-             "evaluated_ddp", "evaluated_z0", "evaluated_z3", "seq2seq_ddp", "seq2seq_z3"]
+             "evaluated_ddp", "evaluated_z0", "evaluated_z3", "seq2seq_ddp", "seq2seq_z3",
+             "schedules_ddp", "schedules_z3"]
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +149,15 @@ def test_seq2seq_predict_with_generate_equals_plain_trainer(runs: dict) -> None:
     generated, gathered and padded by Trainer, equal plain Seq2SeqTrainer's under DDP."""
     ddp, z3 = C.ok(runs["seq2seq_ddp"]), C.ok(runs["seq2seq_z3"])
     assert torch.equal(torch.load(ddp["tokens"]), torch.load(z3["tokens"]))
+
+
+def test_every_lr_scheduler_type_matches_plain_trainer(runs: dict) -> None:
+    """The plateau schedule is in the best-model test; every other one here: the same lr at
+    every step, and the same losses, as plain Trainer."""
+    ddp, z3 = C.ok(runs["schedules_ddp"]), C.ok(runs["schedules_z3"])
+    assert ddp.keys() == z3.keys() and len(ddp) > 5
+    for name in ddp:
+        if name == "seconds":
+            continue
+        C.assert_close_lists(ddp[name]["lr"], z3[name]["lr"], f"{name} lr")
+        C.assert_close_lists(ddp[name]["loss"], z3[name]["loss"], f"{name} loss")

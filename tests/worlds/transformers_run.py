@@ -175,6 +175,30 @@ def _precision(mode: str, out: Path) -> dict[str, Any]:
     return result
 
 
+# Every lr_scheduler_type Trainer knows but the metric-driven ones (reduce_lr_on_plateau:
+# _best; greedy likewise steps on the evaluation metric), with the kwargs each requires.
+SCHEDULES = {"linear": {}, "cosine": {}, "cosine_with_restarts": {"num_cycles": 2},
+             "polynomial": {"power": 2.0}, "constant": {}, "constant_with_warmup": {},
+             "inverse_sqrt": {}, "cosine_with_min_lr": {"min_lr": 1e-4},
+             "cosine_warmup_with_min_lr": {"min_lr": 1e-4},
+             "warmup_stable_decay": {"num_decay_steps": 2}}
+
+
+def _schedules(mode: str, out: Path) -> dict[str, Any]:
+    """Each schedule for 4 steps with a warm-up step: Trainer's scheduler acts on the
+    optimizer Trainer built, whose groups the engine reads at every step."""
+    result = {}
+    for name, kwargs in SCHEDULES.items():
+        trainer = trainer_for(mode, model=tiny_gpt2(), train_dataset=Tokens(),
+                              args=arguments(out / f"schedule_{mode}_{name}",
+                                             lr_scheduler_type=name, lr_scheduler_kwargs=kwargs))
+        trainer.train()
+        result[name] = history(trainer)
+    return result
+
+
+SCENARIOS["schedules_ddp"] = functools.partial(_schedules, "ddp")
+SCENARIOS["schedules_z3"] = functools.partial(_schedules, "z3")
 SCENARIOS["best_ddp"] = functools.partial(_best, "ddp")
 SCENARIOS["best_z3"] = functools.partial(_best, "z3")
 SCENARIOS["precision"] = functools.partial(_precision, "z3")
