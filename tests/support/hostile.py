@@ -111,12 +111,14 @@ def _first_param(m: dict[str, Any]) -> str:
     return m["units"][0]["slots"][0][0]
 
 
-def _fifo(path: Path) -> None:
+def make_fifo(path: Path) -> None:
+    """``path`` replaced by a FIFO (reading one never ends)."""
     path.unlink()
     os.mkfifo(path)
 
 
-def _link(path: Path, target: Path | str) -> None:
+def make_link(path: Path, target: Path | str) -> None:
+    """``path`` (a file or a folder) replaced by a symlink to ``target``."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
     else:
@@ -132,15 +134,16 @@ VARIANTS: dict[str, tuple[Edit, str]] = {
                          "is not a plain file or directory name"),
     "latest_absolute": (lambda r, o, _: (r / "latest").write_text(str(o / TAG)),
                         "is not a plain file or directory name"),
-    "latest_fifo": (lambda r, o, _: _fifo(r / "latest"), "is not a regular file"),
-    "tag_symlink": (lambda r, o, _: _link(r / TAG, o / TAG), "outside the checkpoint directory"),
-    "shard_symlink": (lambda r, o, _: _link(r / TAG / SHARD0, o / TAG / SHARD0),
+    "latest_fifo": (lambda r, o, _: make_fifo(r / "latest"), "is not a regular file"),
+    "tag_symlink": (lambda r, o, _: make_link(r / TAG, o / TAG),
+                    "outside the checkpoint directory"),
+    "shard_symlink": (lambda r, o, _: make_link(r / TAG / SHARD0, o / TAG / SHARD0),
                       "outside the checkpoint directory"),
-    "manifest_symlink": (lambda r, o, _: _link(r / TAG / MANIFEST, o / TAG / MANIFEST),
+    "manifest_symlink": (lambda r, o, _: make_link(r / TAG / MANIFEST, o / TAG / MANIFEST),
                          "outside the checkpoint directory"),
-    "shard_dev_zero": (lambda r, o, _: _link(r / TAG / SHARD1, "/dev/zero"),
+    "shard_dev_zero": (lambda r, o, _: make_link(r / TAG / SHARD1, "/dev/zero"),
                        "outside the checkpoint directory"),
-    "shard_fifo": (lambda r, o, _: _fifo(r / TAG / SHARD1), "is not a regular file"),
+    "shard_fifo": (lambda r, o, _: make_fifo(r / TAG / SHARD1), "is not a regular file"),
     "entry_dev_zero": (lambda r, o, _: edit_manifest(r / TAG, lambda m: m["files"].__setitem__(
         "/dev/zero", {"bytes": 0, "sha256": "0" * 64})), "is not a plain file or directory name"),
     "entry_traversal": (lambda r, o, _: edit_manifest(r / TAG, lambda m: m["files"].__setitem__(

@@ -70,19 +70,6 @@ def payload_pickle(marker: Path) -> bytes:
     return pickle.dumps(hostile._Payload(marker), protocol=4)
 
 
-def _fifo(path: Path) -> None:
-    path.unlink()
-    os.mkfifo(path)
-
-
-def _link(path: Path, target: Path | str) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink()
-    path.symlink_to(target)
-
-
 def _truncate(path: Path, fraction: float) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: int(len(data) * fraction)])
@@ -257,13 +244,13 @@ _DCP_FILES: dict[str, tuple[Edit, str | None]] = {
                        "outside the file's"),
     "data_flipped": (lambda c: _flip_item(c, DCP_KEYS[0], 1), "is damaged"),
     "data_missing": (lambda c: (c.root / "__1_0.distcp").unlink(), "missing or unreadable"),
-    "data_symlink_out": (lambda c: _link(c.root / "__0_0.distcp",
+    "data_symlink_out": (lambda c: hostile.make_link(c.root / "__0_0.distcp",
                                          c.outside / "__0_0.distcp"),
                          "outside the checkpoint directory"),
-    "data_dev_zero": (lambda c: _link(c.root / "__0_0.distcp", "/dev/zero"),
+    "data_dev_zero": (lambda c: hostile.make_link(c.root / "__0_0.distcp", "/dev/zero"),
                       "outside the checkpoint directory"),
-    "data_fifo": (lambda c: _fifo(c.root / "__1_0.distcp"), "is not a regular file"),
-    "metadata_fifo": (lambda c: _fifo(c.root / ".metadata"), "is not a regular file"),
+    "data_fifo": (lambda c: hostile.make_fifo(c.root / "__1_0.distcp"), "is not a regular file"),
+    "metadata_fifo": (lambda c: hostile.make_fifo(c.root / ".metadata"), "is not a regular file"),
     "extra_file": (lambda c: (c.root / "__2_0.distcp").write_bytes(os.urandom(64)), None),
 }
 
@@ -366,18 +353,18 @@ _DS3_FILES: dict[str, tuple[Edit, str | None]] = {
                          "is not a plain file or directory name"),
     "latest_absolute": (lambda c: (c.root / "latest").write_text(str(c.outside / DS_TAG)),
                         "is not a plain file or directory name"),
-    "latest_fifo": (lambda c: _fifo(c.root / "latest"), "is not a regular file"),
-    "latest_symlink_out": (lambda c: _link(c.root / "latest", c.outside / "latest"),
+    "latest_fifo": (lambda c: hostile.make_fifo(c.root / "latest"), "is not a regular file"),
+    "latest_symlink_out": (lambda c: hostile.make_link(c.root / "latest", c.outside / "latest"),
                            "outside the checkpoint directory"),
     "latest_unknown_tag": (lambda c: (c.root / "latest").write_text("global_step9"),
                            "global_step9"),
     "latest_empty": (lambda c: (c.root / "latest").write_text(""), None),
-    "tag_symlink_out": (lambda c: _link(c.root / DS_TAG, c.outside / DS_TAG),
+    "tag_symlink_out": (lambda c: hostile.make_link(c.root / DS_TAG, c.outside / DS_TAG),
                         "outside the checkpoint directory"),
-    "rank_file_symlink_out": (lambda c: _link(c.root / DS_TAG / _rank(1, "optim"),
+    "rank_file_symlink_out": (lambda c: hostile.make_link(c.root / DS_TAG / _rank(1, "optim"),
                                               c.outside / DS_TAG / _rank(1, "optim")),
                               "outside the checkpoint directory"),
-    "rank_file_fifo": (lambda c: _fifo(c.root / DS_TAG / _rank(1, "optim")),
+    "rank_file_fifo": (lambda c: hostile.make_fifo(c.root / DS_TAG / _rank(1, "optim")),
                        "is not a regular file"),
     "extra_file": (lambda c: (c.root / DS_TAG / "notes.txt").write_text("hello"), None),
 }
@@ -425,10 +412,11 @@ def _ds2_catalogue() -> dict[str, Mutation]:
     m: dict[str, tuple[Edit, str | None]] = {
         "model_states_missing": (lambda c: (c.root / tag / model).unlink(),
                                  "the model-states file is missing"),
-        "model_states_symlink_out": (lambda c: _link(c.root / tag / model,
+        "model_states_symlink_out": (lambda c: hostile.make_link(c.root / tag / model,
                                                      c.outside / tag / model),
                                      "outside the checkpoint directory"),
-        "model_states_fifo": (lambda c: _fifo(c.root / tag / model), "is not a regular file"),
+        "model_states_fifo": (lambda c: hostile.make_fifo(c.root / tag / model),
+                              "is not a regular file"),
         "optim_rank1_missing": (lambda c: (c.root / tag / _rank(1, "optim")).unlink(),
                                 "'partition_count' is [2] but 1 optimizer"),
         "padding_negative": (_optim(lambda o: o[pad][0].__setitem__(0, -3), rank=0),
