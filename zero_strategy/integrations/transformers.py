@@ -97,8 +97,9 @@ class ZeroTrainerMixin:
             super().create_accelerator_and_postprocess()
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
-        """The engine moves each unit to the device as it shards it; moving the model whole
-        first would put every parameter on every rank's device."""
+        """Not at construction: ``ZeroAccelerator.prepare`` puts the model on the device when
+        the engine is built, and a model still on the meta device (``from_pretrained`` here)
+        is materialised there by the engine unit by unit, which moving it now would break."""
 
     @property
     def zero_engine(self) -> Any:
