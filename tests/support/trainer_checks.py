@@ -14,13 +14,14 @@ any real error (a lost micro-batch, a skipped clip, a wrong lr) is orders larger
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from tests.worlds.accelerate_launch import launch_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "worlds" / "transformers_run.py"
@@ -31,11 +32,7 @@ def launch(out: Path, scenarios: list[str], world: int = 2, timeout: float = 600
            ) -> dict[str, dict[str, Any]]:
     """Run ``scenarios`` in order in one torchrun launch of ``world`` CPU processes;
     {name: rank 0's result} (a failed scenario: {"error": traceback})."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("ACCELERATE_") and k != "ZERO_STRATEGY_CONFIG"}
-    env.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore",
-                "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    env = launch_environment({})  # nothing steering Accelerate or the plugin; CPU, gloo
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
                str(SCRIPT), "--out", str(out), "--only", ",".join(scenarios)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout,

@@ -47,7 +47,7 @@ class Outcome:
     ranks: list[dict[str, Any]]
 
 
-def _environment(extra: dict[str, str]) -> dict[str, str]:
+def launch_environment(extra: dict[str, str]) -> dict[str, str]:
     """The caller's environment without anything that would steer Accelerate or the plugin."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("ACCELERATE_") and k != "ZERO_STRATEGY_CONFIG"}
@@ -85,7 +85,7 @@ def run_jobs(jobs: list[Job], parallel: int = 3, timeout: float = 400.0) -> dict
             pending.remove(job)
             job.out.mkdir(parents=True, exist_ok=True)
             log = open(job.out / "log.txt", "w")  # a file, not a pipe: no deadlock on big logs
-            proc = subprocess.Popen(_command(job), cwd=ROOT, env=_environment(job.env),
+            proc = subprocess.Popen(_command(job), cwd=ROOT, env=launch_environment(job.env),
                                     stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)  # its own group: kill all on timeout
             running.append((job, proc, log))

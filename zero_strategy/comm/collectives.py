@@ -54,6 +54,11 @@ def group_is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def group_backend() -> str | None:
+    """The default group's backend string, None when no group exists."""
+    return str(dist.get_backend()) if group_is_initialized() else None
+
+
 def group_size() -> int:
     """World size of the default group (1 when none exists)."""
     return dist.get_world_size() if group_is_initialized() else 1

@@ -40,7 +40,7 @@ from ..checkpoint.pretrained import (
     warn_keys,
 )
 from ..checkpoint.write import CheckpointError
-from ..comm.collectives import default_device
+from ..comm.collectives import default_device, group_backend
 from ..core.materialize import meta_init, set_module_init
 from . import require
 
@@ -215,11 +215,8 @@ def _build(model_class: type[nn.Module], config: Any, dtype: torch.dtype,
 def _materialising_device() -> torch.device:
     """Where the engine will materialise the model: meta_init records the generator states
     of that device (on another, the engine replays the inits itself when built)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return default_device(str(dist.get_backend()))
-    return torch.device("cpu")
+    backend = group_backend()
+    return default_device(backend) if backend is not None else torch.device("cpu")
 
 
 def key_map_for(model: nn.Module, path: Path | None = None) -> KeyMap:

@@ -272,12 +272,8 @@ def _shard_frozen_too(model: nn.Module, optimizer: torch.optim.Optimizer) -> Non
     what an optimizer holds); at stage 3 they join it in a group of their own, with lr 0 so
     that no scheduler or weight decay can move them even if one is unfrozen by mistake."""
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    seen: set[int] = set()
-    frozen = []
-    for p in model.parameters():
-        if id(p) not in held and id(p) not in seen and not p.requires_grad:
-            seen.add(id(p))
-            frozen.append(p)
+    # parameters() yields a tied parameter once
+    frozen = [p for p in model.parameters() if id(p) not in held and not p.requires_grad]
     if frozen:
         optimizer.add_param_group({"params": frozen, "lr": 0.0, "weight_decay": 0.0})
 
