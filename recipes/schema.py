@@ -63,7 +63,7 @@ ZERO_OPTIONS = (
     "unit_leaf_classes", "check_gather_order", "overlap_param_gather", "offload_optimizer",
     "offload_params", "offload_dir", "disk_staging_bytes", "broadcast_buffers", "nonfinite_grads",
     "elementwise_optimizer", "shard_group_size", "quantize_weights", "quantize_gradients",
-    "loss_scale", "timeout",
+    "loss_scale", "timeout", "activation_checkpointing", "offload_activations",
 )
 """ZeroConfig's fields a recipe may set under ``strategy.zero`` (stage and precision have keys
 of their own). Listed here, not imported, so composing needs no torch; a test keeps the list

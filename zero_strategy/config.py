@@ -17,6 +17,8 @@ REDUCE_DTYPES = ("fp32", "compute")
 NONFINITE_POLICIES = ("skip", "error", "off")
 QUANTIZATIONS = ("off", "int8")
 OFFLOAD_TIERS = (False, True, "cpu", "disk")
+ACTIVATION_TIERS = (False, "cpu", "disk")
+"""Values of ``offload_activations``."""
 """Values of ``offload_optimizer`` / ``offload_params``: False (none), True or "cpu" (host
 memory), "disk" (files under ``offload_dir``)."""
 DEFAULT_DISK_STAGING_BYTES = 64 << 20
@@ -163,6 +165,23 @@ class ZeroConfig:
     gradients, as an all-to-all): each rank receives its slice of every other rank's gradient
     in int8, decodes it and sums in fp32 with its own part, which is never quantized.
     "off" or "int8"."""
+    activation_checkpointing: bool | tuple[str, ...] = False
+    """Recompute activations in backward instead of keeping them (every stage). True: each
+    transformer layer transformers marks as checkpointable (``GradientCheckpointingLayer``:
+    what ``model.gradient_checkpointing_enable()`` picks), else each module of the model's
+    outermost list of two or more modules of one class (``nn.ModuleList`` / ``Sequential``:
+    the blocks). A list of class names: every module of those classes, outermost first (one
+    inside another checkpointed module is not checkpointed again). Each chosen module keeps
+    only its inputs from forward (``torch.utils.checkpoint``, non-reentrant, RNG state
+    restored, so dropout draws the same masks); at stage 3 the units it recomputes stay
+    gathered from their recomputation through their backward, so a step gathers each unit
+    once for forward and once for backward, as without checkpointing."""
+    offload_activations: bool | str = False
+    """Where the inputs the checkpointed modules keep rest until backward (needs
+    ``activation_checkpointing``): False on the device; "cpu" in host memory (copied on a
+    side stream from a GPU; on a CPU device they are there already: nothing moves); "disk"
+    in files under ``offload_dir`` (written and read back on a background thread). Each is
+    brought back ahead of the module's recomputation, the next one's while it runs."""
     timeout: float = 600.0
     """Seconds a collective the engine issues may wait for the other ranks before it raises an
     error naming the collective and the step (a stalled or lost peer). The default is torch's
@@ -211,6 +230,7 @@ class ZeroConfig:
                                     or staging < MIN_DISK_STAGING_BYTES):
             raise ValueError(f"disk_staging_bytes must be an int >= {MIN_DISK_STAGING_BYTES} "
                              f"(bytes of pinned host memory) or None, got {staging!r}")
+        self._check_activation_choices()
         for name in ("broadcast_buffers", "elementwise_optimizer", "overlap_param_gather"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -233,6 +253,32 @@ class ZeroConfig:
             raise ValueError(
                 f"loss_scale must be a LossScaleConfig or a dict, got {type(self.loss_scale)!r}"
             )
+
+    def _check_activation_choices(self) -> None:
+        chosen = self.activation_checkpointing
+        if isinstance(chosen, list):
+            chosen = tuple(chosen)
+            object.__setattr__(self, "activation_checkpointing", chosen)
+        if not (isinstance(chosen, bool) or (
+                isinstance(chosen, tuple) and chosen and all(isinstance(c, str) and c
+                                                             for c in chosen))):
+            raise ValueError(
+                f"activation_checkpointing must be True, False or a non-empty list of module "
+                f"class names (str), got {chosen!r}")
+        offload = self.offload_activations
+        if offload is True:
+            raise ValueError(
+                "offload_activations must be False, 'cpu' or 'disk', got True (say where: "
+                "'cpu' for host memory, 'disk' for files under offload_dir)")
+        if not any(offload is allowed or (isinstance(allowed, str) and offload == allowed)
+                   for allowed in ACTIVATION_TIERS):
+            raise ValueError(f"offload_activations must be False, 'cpu' or 'disk', got "
+                             f"{offload!r}")
+        if offload and not chosen:
+            raise ValueError(
+                f"offload_activations={offload!r} needs activation_checkpointing (True or a "
+                "list of module class names): what is offloaded are the inputs the "
+                "checkpointed modules keep for their recomputation")
 
     def _check_sizes(self) -> None:
         _check_positive_int("bucket_numel", self.bucket_numel)
@@ -299,12 +345,12 @@ class ZeroConfig:
                 f"offload_optimizer='disk' requires stage 2 or 3 (got stage={self.stage}): "
                 "stage 1 keeps full-size gradients in memory, which the disk tier would not "
                 "bound; use stage=2, or offload_optimizer='cpu'")
-        if self.offload_dir is not None and "disk" not in (self.optimizer_tier,
-                                                           self.params_tier):
+        if self.offload_dir is not None and "disk" not in (
+                self.optimizer_tier, self.params_tier, self.offload_activations):
             raise ValueError(
                 f"offload_dir={self.offload_dir!r} is set but nothing is offloaded to disk: "
-                "set offload_optimizer='disk' (and offload_params='disk' at stage 3), or "
-                "leave offload_dir unset")
+                "set offload_optimizer='disk' (and offload_params='disk' at stage 3) or "
+                "offload_activations='disk', or leave offload_dir unset")
         if self.disk_staging_bytes is not None and self.optimizer_tier != "disk":
             raise ValueError(
                 f"disk_staging_bytes={self.disk_staging_bytes!r} is set but nothing is "

@@ -16,12 +16,14 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from . import engine_memory
 from .checkpoint import pretrained as checkpoint_pretrained
 from .checkpoint import read as checkpoint_read
 from .checkpoint import write as checkpoint_write
 from .comm.collectives import Communicator, default_device
 from .config import ZeroConfig
 from .core.access import ParamAccess
+from .core.activations import Activations
 from .core.buffers import BufferPool
 from .core.devices import canonical_device
 from .core.hooks import HookSet, ModulePatches
@@ -31,12 +33,10 @@ from .core.plan import make_plan
 from .core.precision import LossScaler
 from .core.runtime import Runtime
 from .core.units import NamedParams, UnitComms, build_units
-from .memory import estimate_memory, storage_bytes
 from .offload.disk import DiskFullError, DiskTier
 from .offload.transfers import Transfers
 from .optim.combined import CombinedOptimizer
 from .optim.combined import parts as optimizer_parts
-from .optim.owner import OwnerPart
 from .optim.sharded import ShardedOptimizer, placement, states_to_reserve
 from .optim.state import UserOptimizerPatch, full_state_dict, load_full_state_dict
 
@@ -74,6 +74,8 @@ class ZeroEngine:
         self.device = _single_device(model, device, self.comm.backend)
         self.comm.use_device(self.device)
         _use_cuda_device(self.device)
+        # Chosen (and refused) before anything is built; installed last.
+        self.activations = Activations(model, self.config, self.device, self.comm.rank)
         self.pool = BufferPool(self.device)
         self.comm.use_scratch(self.pool.take, self.pool.give)
         self.shards, self.replicas = self._shard_groups()
@@ -134,6 +136,7 @@ class ZeroEngine:
         self.global_step = 0
         self.skipped_steps = 0
         self._buffers = [b for b in model.buffers() if b is not None]
+        self.activations.install(self.transfers)
         if pretrained:  # from_pretrained's model: its folder's weights go into the shards now
             checkpoint_pretrained.load_pending(self, pretrained)
 
@@ -249,7 +252,7 @@ class ZeroEngine:
             with torch.no_grad(), record_function("zero::broadcast_buffers"):
                 self.comm.broadcast_coalesced(self._buffers)
         args, kwargs = self.plan.policy.cast_inputs(args, kwargs)
-        with record_function("zero::forward"):
+        with record_function("zero::forward"), self.activations.forward_pass():
             output = self.module(*args, **kwargs)
         self.runtime.end_forward()
         return output
@@ -513,6 +516,7 @@ class ZeroEngine:
                     p.data = self._closed_copy(value, self._original_dtypes[id(p)], slot.name)
         self.hooks.remove()
         self.patches.remove()
+        self.activations.remove()
         for patch in self.optimizer_patches:
             patch.remove()
         self._closed = True
@@ -627,60 +631,20 @@ class ZeroEngine:
         with record_function("zero::load_pretrained"):
             return checkpoint_pretrained.load(self, path, key_map=key_map, strict=strict)
 
-    def memory_report(self) -> dict[str, int | float | str]:
-        """Model-state bytes this rank holds now, beside the ZeRO formula's prediction."""
-        seen: set[int] = set()
-        held = [u.param_store.held_tensors() for u in self.units]
-        params = storage_bytes([t for h in held for t in h["params"]], seen)
-        grads = storage_bytes([t for u in self.units for t in u.grad_store.held_tensors()], seen)
-        masters = [t for h in held for t in h["master"]]
-        optim = storage_bytes(masters + self.optimizer.state_tensors(), seen)
-        predicted = self.predicted_memory()
-        padding = sum(u.layout.padded_numel - u.layout.numel for u in self.units)
-        total = params + grads + optim
-        return {
-            "stage": self.plan.stage,
-            "world_size": self.comm.world_size,
-            "rank": self.comm.rank,
-            "precision": self.plan.policy.name,
-            "num_params": self.num_params,
-            "padding_elements": padding,
-            "params_bytes": params,
-            "grads_bytes": grads,
-            "optimizer_bytes": optim,
-            "total_bytes": total,
-            "predicted_params_bytes": predicted.params_bytes,
-            "predicted_grads_bytes": predicted.grads_bytes,
-            "predicted_optimizer_bytes": predicted.optimizer_bytes,
-            "predicted_total_bytes": predicted.total_bytes,
-            "predicted_host_bytes": predicted.host_bytes,
-            "disk_bytes": self.tier.disk_bytes() if self.tier is not None else 0,
-            "predicted_disk_bytes": predicted.disk_bytes,
-            "predicted_resident_bytes": predicted.resident_bytes,
-            # the disk tier's pinned ring (GPU only): its whole pinned footprint
-            "pinned_staging_bytes": (self.transfers.staging.pinned_bytes
-                                     if self.transfers.staging is not None else 0),
-            # the pinned arena of offloaded host buffers (GPU only), chunks whole
-            "pinned_bytes": self.transfers.pinned_bytes,
-            "ratio_to_formula": total / predicted.total_bytes if predicted.total_bytes else 1.0,
-        }
+    def memory_report(self) -> dict[str, int | float | str | None]:
+        """Model-state bytes this rank holds now, beside the ZeRO formula's prediction, and
+        what the last measured forward kept for backward (``measure_activations``)."""
+        return engine_memory.report(self)
 
     def predicted_memory(self) -> Any:
-        owner_parts = [p for p in self.optimizer.parts if isinstance(p, OwnerPart)]
-        return estimate_memory(
-            self.num_params, stage=self.plan.stage, world_size=self.shards.world_size,
-            precision=self.config.precision, optimizer_states=self.optimizer.states_per_param(),
-            reduce_dtype=self.config.reduce_dtype, offload_optimizer=self.config.offload_optimizer,
-            offload_params=self.config.offload_params,
-            host_is_device=not self.transfers.host_is_separate,
-            largest_unit_numels=tuple(sorted((u.layout.shard_numel for u in self.units),
-                                             reverse=True)[:2]),
-            placed_params=sum(p.placed_numel() for p in owner_parts),
-            owned_params=sum(p.owned_numel() for p in owner_parts),
-            placed_states=max((p.states_per_param() for p in owner_parts), default=0),
-            elementwise_here=sum(seg.view.numel() for p in self.optimizer.parts
-                                 for seg in p.segments) if owner_parts else None,
-        )
+        return engine_memory.predicted(self)
+
+    @contextlib.contextmanager
+    def measure_activations(self) -> Iterator[None]:
+        """Count what the next forward inside this block keeps for backward (the first
+        training forward is counted anyway); ``memory_report()["activation_bytes"]``."""
+        with self.activations.measuring():
+            yield
 
     def comm_bytes(self) -> dict[str, int]:
         """Bytes this rank has sent so far, per collective, and their total. With hybrid

@@ -34,6 +34,7 @@ different code (mixture-of-experts routing leaves an expert unused on one rank o
 from __future__ import annotations
 
 import enum
+import itertools
 from typing import Any
 
 import torch
@@ -114,6 +115,15 @@ class Runtime:
         """True once a synchronised backward has finished and its gradients are reduced."""
         self._order: list[Unit] = []
         self._previous_order: list[Unit] = []
+        self._backward_trace: list[Unit] = []
+        """Units in the order this backward first needed them (by a pre-backward hook, or by
+        a recomputation's forward)."""
+        self._recomputed = False
+        """A checkpointed module was recomputed in this backward."""
+        self._backward_plan: list[Unit] = []
+        """The last backward's trace when it recomputed (its gathers then run region by
+        region, each in forward order, not in reverse forward order): backward prefetches
+        along it. Empty: along the reverse of the forward."""
         self._in_order: set[int] = set()
         self._callback_queued = False
         self._launched: list[Unit] = []
@@ -126,6 +136,10 @@ class Runtime:
         self._held: dict[int, int] = {}
         """Units ``engine.gathered_parameters()`` keeps whole (how many blocks hold each): no
         forward, backward or inference pass frees them until the block ends."""
+        self._traced: set[int] = set()
+        self._plan_index: dict[int, int] = {}
+        self._plan_reached = -1
+        """The furthest position of this backward in ``_backward_plan``."""
         self._launch_order: list[Unit] = []
         self._cursor = 0
         """Reductions launched this pass (a prefix of the launch order)."""
@@ -249,6 +263,10 @@ class Runtime:
                      else TrainingState.IDLE)
 
     def pre_forward(self, unit: Unit) -> None:
+        if self.recomputing():
+            self._recomputed = True
+            self.pre_backward(unit)  # the unit's backward follows its recomputation at once
+            return
         with record_function("zero::gather"):
             if unit.index not in self._in_order:
                 self._in_order.add(unit.index)
@@ -258,7 +276,16 @@ class Runtime:
                 self._prefetch_after(unit, self._previous_order)
             unit.param_store.finish_unshard()
 
+    def recomputing(self) -> bool:
+        """A module's forward inside backward: a checkpointed module recomputing."""
+        return self.state is TrainingState.BACKWARD and torch.is_grad_enabled()
+
     def post_forward(self, unit: Unit, output: Any) -> None:
+        if self.recomputing():
+            # Kept whole until its gradients arrive (``_finish_unit``), which its backward,
+            # next, delivers: freeing it here would gather it a second time for that.
+            register_pre_backward(output, lambda: self.pre_backward(unit))
+            return
         leaves = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
         if any(unit.param_store.shares_storage(t) for t in leaves):
             self._pinned.add(unit.index)  # the caller holds a view of the parameters
@@ -313,14 +340,43 @@ class Runtime:
         self._cursor = self._ready = 0
         self._agreed = 0 if agree else None
         self._complete = set()
+        self._backward_trace, self._traced, self._recomputed = [], set(), False
+        self._plan_reached = -1
 
     def pre_backward(self, unit: Unit) -> None:
         self._ensure_callback()
+        if unit.index not in self._traced:
+            self._traced.add(unit.index)
+            self._backward_trace.append(unit)
         with record_function("zero::gather_for_backward"):
             self.unshard(unit)
             if self.prefetch:
-                self._prefetch_after(unit, self._order[::-1])
+                self._prefetch_in_backward(unit)
             unit.param_store.finish_unshard()
+
+    def _prefetch_in_backward(self, unit: Unit) -> None:
+        """Gather the next unit backward will need: along the reverse of the forward, or
+        along the last backward's order when that one recomputed. Along the latter, from
+        the furthest unit reached: a late pre-backward hook of a unit whose region is done
+        (its output's hook fires after its recomputation) must not bring back the units
+        after it in that region, whose gradients are already reduced."""
+        plan = self._backward_plan
+        if not plan:
+            self._prefetch_after(unit, self._order[::-1])
+            return
+        position = self._plan_index.get(unit.index)
+        if position is not None and position > self._plan_reached:
+            self._plan_reached = position
+        ahead: list[Unit] = []
+        for later in itertools.islice(plan, self._plan_reached + 1, None):
+            if later.index not in self._traced:
+                ahead.append(later)
+                if len(ahead) > READ_AHEAD_UNITS:
+                    break
+        if ahead:
+            self.unshard(ahead[0])
+            for later in ahead[1:]:
+                later.param_store.read_ahead()
 
     def on_grad(self, unit: Unit, index: int, param: torch.Tensor) -> None:
         self._ensure_callback()
@@ -378,6 +434,8 @@ class Runtime:
             if self.sync:
                 self._agree_on_used()
             self.reshard_all()
+            self._backward_plan = self._backward_trace if self._recomputed else []
+            self._plan_index = {u.index: i for i, u in enumerate(self._backward_plan)}
             self._callback_queued = False
         self._to(TrainingState.IDLE)
 

@@ -92,6 +92,7 @@ class ZeroTrainerMixin:
     def create_accelerator_and_postprocess(self) -> None:
         _refuse_unsupported(self.args)
         _check_precision(self.args, self.zero_plugin)
+        _check_checkpointing(self.args, self.zero_plugin)
         build = functools.partial(_TrainerAccelerator, zero_plugin=self.zero_plugin)
         with _trainer_builds(build):
             super().create_accelerator_and_postprocess()
@@ -265,6 +266,18 @@ def _check_precision(args: Any, plugin: ZeroPlugin) -> None:
     raise ValueError(f"{plugin.source}: precision={explicit!r} contradicts "
                      f"TrainingArguments({flag}=True); drop one of them or make them agree "
                      f"(with {flag}=True: {sorted(COMPATIBLE_PRECISIONS[flag])})")
+
+
+def _check_checkpointing(args: Any, plugin: ZeroPlugin) -> None:
+    """Trainer's own checkpointing replaces the function the engine gives transformers'
+    layers (its offload would be lost without a word): one of the two."""
+    chosen = plugin.options.get("activation_checkpointing")
+    if chosen and getattr(args, "gradient_checkpointing", False):
+        raise ValueError(
+            f"{plugin.source}: activation_checkpointing={chosen!r} and "
+            "TrainingArguments(gradient_checkpointing=True) would both checkpoint the layers; "
+            "keep one (the plugin's also offloads with offload_activations and plans stage "
+            "3's gathers of the recomputation)")
 
 
 def _shard_frozen_too(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -1,0 +1,462 @@
+"""Activations, the residual half of ZeRO (ZeRO-R): which modules recompute in backward,
+where the inputs they keep rest until then, and how many bytes autograd holds for backward.
+
+A checkpointed module keeps only its inputs from forward (``torch.utils.checkpoint``,
+non-reentrant); everything it computes in between is recomputed when backward reaches it.
+The inputs are saved through autograd's saved-tensor hooks (the checkpoint saves them with
+``save_inputs`` before its own hooks take over the module's inside), so the hooks installed
+here around each checkpoint see exactly those inputs and nothing else: they are what
+``offload_activations`` moves to the host or to disk, and bring back one module ahead of
+backward (recomputation runs modules in reverse order of their forward, so while one module
+recomputes, the input of the one before it is on its way).
+
+transformers' layers (``GradientCheckpointingLayer``) are checkpointed through their own
+switch, with this checkpoint function: that switch also turns the KV cache off while
+training, which a recomputed layer would otherwise append to twice. Other modules get an
+instance ``forward`` that checkpoints the class's. Both stay outside the module's hooks, so
+stage 3's gather hooks run once per forward, and the recomputation's gathers are the
+runtime's to plan (``runtime.Runtime`` keeps what a recomputation gathered until its backward).
+
+What autograd holds (``measure``) is counted by storage, each once, parameters and buffers
+apart: the bytes a forward leaves behind for backward. Counting returns every tensor as it
+came (the same object: a copy or ``detach()`` would break backward-of-backward and lose a
+parameter's storage that stage 3 swaps), so a measured forward never followed by a backward
+is only freed by Python's cycle collector; measuring is therefore opt-in (the first
+training forward, and ``measuring()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import tempfile
+import weakref
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..config import ZeroConfig
+from ..offload.transfers import Copy, Transfers
+
+PREFETCH_INPUTS = 1
+"""Saved inputs brought back beyond the one backward asks for: the next recomputation's,
+while this one runs; one is enough to hide a read behind a module's recomputation and keeps
+at most two modules' inputs resident during backward."""
+
+
+def chosen_modules(model: nn.Module, choice: bool | tuple[str, ...]) -> list[nn.Module]:
+    """The modules ``activation_checkpointing`` names, outermost only; an error naming the
+    field and the model's classes when the choice finds none."""
+    if choice is True:
+        found = _transformers_layers(model) or _repeated_blocks(model)
+        if not found:
+            raise ValueError(
+                "activation_checkpointing=True found no layers to checkpoint: no "
+                "transformers GradientCheckpointingLayer and no nn.ModuleList/Sequential of "
+                "two or more modules of one class. Name the classes instead, e.g. "
+                f"activation_checkpointing=[...] from {_class_names(model)}")
+        return found
+    assert isinstance(choice, tuple)
+    found = _outermost(model, lambda m: type(m).__name__ in choice)
+    present = {type(m).__name__ for m in found}
+    missing = [name for name in choice if name not in present]
+    if missing:
+        raise ValueError(
+            f"activation_checkpointing: no module of class {missing} in the model (or only "
+            f"inside another chosen module); its classes: {_class_names(model)}")
+    return found
+
+
+def _class_names(model: nn.Module) -> list[str]:
+    return sorted({type(m).__name__ for m in model.modules()})
+
+
+def _outermost(model: nn.Module, wanted: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    found: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        if wanted(module):
+            found.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return found
+
+
+def _transformers_layers(model: nn.Module) -> list[nn.Module]:
+    base = _checkpointing_layer_class()
+    if base is None:
+        return []
+    return _outermost(model, lambda m: isinstance(m, base))
+
+
+def _checkpointing_layer_class() -> type | None:
+    """transformers' checkpointable layer class, if transformers is in use (never imported
+    here: a model of that class means it is loaded already)."""
+    import sys
+
+    layers = sys.modules.get("transformers.modeling_layers")
+    return getattr(layers, "GradientCheckpointingLayer", None)
+
+
+def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    def repeated(container: nn.Module) -> bool:
+        children = list(container.children())
+        return (isinstance(container, (nn.ModuleList, nn.Sequential)) and len(children) >= 2
+                and len({type(c) for c in children}) == 1
+                and any(True for _ in children[0].parameters()))
+
+    lists = _outermost(model, repeated)
+    return [child for container in lists for child in container.children()]
+
+
+class SavedInputs:
+    """Where the checkpointed modules' inputs rest between forward and backward."""
+
+    def __init__(self, tier: str | bool, device: torch.device, transfers: Transfers,
+                 directory: str | None, rank: int) -> None:
+        self.tier = tier or "device"
+        self.device = device
+        self.transfers = transfers
+        # On a CPU device "cpu" is where the inputs are already: nothing moves.
+        self.moves = self.tier == "disk" or (self.tier == "cpu" and device.type != "cpu")
+        self._directory = directory
+        self._rank = rank
+        self._files: tempfile.TemporaryDirectory[str] | None = None
+        self._writer: ThreadPoolExecutor | None = None
+        self._reader: ThreadPoolExecutor | None = None
+        self._sequence: list[weakref.ref[_Saved]] = []
+        self._by_tensor: dict[int, tuple[weakref.ref[torch.Tensor], _Saved]] = {}
+        self.offloaded_bytes = 0
+        """Bytes moved off the device by the last forward."""
+
+    def begin_forward(self) -> None:
+        self._sequence, self._by_tensor = [], {}
+        self.offloaded_bytes = 0
+
+    def end_forward(self) -> None:
+        self._by_tensor = {}
+
+    def hooks(self) -> contextlib.AbstractContextManager[None]:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if (not self.moves or isinstance(tensor, nn.Parameter) or tensor.numel() == 0
+                or (tensor.device.type != self.device.type)):
+            return tensor
+        # One copy of a tensor several modules keep (a mask passed to every layer): by
+        # object, while it lives (an address alone may be a freed tensor's, reused).
+        known = self._by_tensor.get(id(tensor))
+        saved = known[1] if known is not None and known[0]() is tensor else None
+        if saved is None:
+            saved = _Saved(self, tensor, len(self._sequence))
+            self._by_tensor[id(tensor)] = (weakref.ref(tensor), saved)
+            self._sequence.append(weakref.ref(saved))
+            self.offloaded_bytes += tensor.numel() * tensor.element_size()
+        return saved
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Saved):
+            return packed
+        for earlier in self._sequence[max(packed.index - PREFETCH_INPUTS, 0) : packed.index]:
+            ahead = earlier()
+            if ahead is not None:
+                ahead.fetch()
+        return packed.value()
+
+    # ----------------------------------------------------------- where bytes go
+    def to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Copy | None]:
+        """A host copy of a device tensor (pinned, on the side stream), or the tensor itself
+        on a CPU device."""
+        if tensor.device.type == "cpu":
+            return tensor, None
+        host = torch.empty_like(tensor, device="cpu", pin_memory=True)
+        return host, self.transfers.copy(host, tensor)
+
+    def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, Copy | None]:
+        if self.device.type == "cpu":
+            return host, None
+        out = torch.empty_like(host, device=self.device)
+        return out, self.transfers.copy(out, host)
+
+    def write(self, fn: Callable[[], int]) -> Future[int]:
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="zs-activation-write")
+        return self._writer.submit(fn)
+
+    def read(self, fn: Callable[[], torch.Tensor]) -> Future[torch.Tensor]:
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="zs-activation-read")
+        return self._reader.submit(fn)
+
+    def new_file(self) -> int:
+        """An open file for one saved input, unlinked at once: its blocks return to the
+        filesystem when it is closed, or when the process ends however it ends."""
+        if self._files is None:
+            if self._directory is not None:
+                os.makedirs(self._directory, exist_ok=True)
+            self._files = tempfile.TemporaryDirectory(
+                prefix=f"zs-activations-rank{self._rank}-", dir=self._directory)
+        fd, path = tempfile.mkstemp(dir=self._files.name, suffix=".act")
+        os.unlink(path)
+        return fd
+
+    def close(self) -> None:
+        for pool in (self._writer, self._reader):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._writer = self._reader = None
+        if self._files is not None:
+            self._files.cleanup()
+            self._files = None
+
+
+class _Saved:
+    """One checkpointed module's input off the device: on the host (a copy from a GPU) or
+    in an unlinked file (written on the writer thread). Read back by ``fetch`` (ahead of
+    need) or ``value``; kept until autograd drops it, so a second backward
+    (``retain_graph``) reads it again."""
+
+    def __init__(self, store: SavedInputs, tensor: torch.Tensor, index: int) -> None:
+        self.store = store
+        self.index = index
+        self.shape = tuple(tensor.shape)
+        self.dtype = tensor.dtype
+        self._fd: int | None = None
+        self._written: Future[int] | None = None
+        self._host: torch.Tensor | None = None
+        self._fetched: Future[torch.Tensor] | tuple[torch.Tensor, Copy | None] | None = None
+        # Given back contiguous: the values are what the recomputation needs (a kernel
+        # choice that depends on strides may differ in the last bit from the forward's).
+        host, copy = store.to_host(tensor.contiguous())
+        if store.tier == "disk":
+            self._fd = store.new_file()
+            self._written = store.write(functools.partial(_write, self._fd, host, copy))
+            weakref.finalize(self, _close_file, self._written, self._fd)
+        else:
+            self._host, self._copy = host, copy
+
+    def fetch(self) -> None:
+        """Start bringing the input back (a read from disk, a copy to the device)."""
+        if self._fetched is not None:
+            return
+        if self._fd is not None:
+            fd, written = self._fd, self._written
+            self._fetched = self.store.read(
+                functools.partial(_read, fd, written, self.shape, self.dtype))
+        else:
+            assert self._host is not None
+            self._fetched = self.store.to_device(self._host)
+
+    def value(self) -> torch.Tensor:
+        self.fetch()
+        fetched, self._fetched = self._fetched, None  # a second unpack fetches again
+        if isinstance(fetched, Future):
+            fetched = self.store.to_device(fetched.result())
+        assert fetched is not None
+        tensor, copy = fetched
+        if copy is not None:
+            copy.wait_device()
+        return tensor
+
+
+def _write(fd: int, host: torch.Tensor, copy: Copy | None) -> int:
+    if copy is not None:
+        copy.wait_host()
+    view = memoryview(host.reshape(-1).view(torch.uint8).numpy())
+    written = 0
+    while written < len(view):
+        written += os.pwrite(fd, view[written:], written)
+    return written
+
+
+def _read(fd: int, written: Future[int] | None, shape: tuple[int, ...],
+          dtype: torch.dtype) -> torch.Tensor:
+    assert written is not None
+    nbytes = written.result()
+    out = torch.empty(shape, dtype=dtype)
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < nbytes:
+        got = os.preadv(fd, [view[done:]], done)
+        if got <= 0:
+            raise OSError(f"offload_activations='disk': short read of a saved input "
+                          f"({done} of {nbytes} bytes)")
+        done += got
+    return out
+
+
+def _close_file(written: Future[int] | None, fd: int) -> None:
+    if written is not None:
+        with contextlib.suppress(BaseException):
+            written.result()
+    os.close(fd)
+
+
+class SavedBytes:
+    """Counts what autograd keeps for backward during a measured forward: each storage
+    once, parameters and module buffers apart."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.bytes = 0
+        self._seen: set[int] = set()
+        self._buffers: set[int] = set()
+
+    def begin(self) -> None:
+        self.bytes = 0
+        self._seen = set()
+        self._buffers = {b.untyped_storage().data_ptr() for b in self.model.buffers()}
+
+    def hooks(self) -> contextlib.AbstractContextManager[None]:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _same)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        base = tensor._base if tensor._base is not None else tensor
+        if not isinstance(base, nn.Parameter):
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key not in self._seen and key not in self._buffers:
+                self._seen.add(key)
+                self.bytes += storage.nbytes()
+        return tensor
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class Activations:
+    """The engine's activation policy: checkpointing installed on the chosen modules,
+    their saved inputs' tier, and the measurement of what a forward keeps."""
+
+    def __init__(self, model: nn.Module, config: ZeroConfig, device: torch.device,
+                 rank: int) -> None:
+        choice = config.activation_checkpointing
+        self.model = model
+        self.modules = chosen_modules(model, choice) if choice else []
+        self._tier, self._device = config.offload_activations, device
+        self._directory, self._rank = config.offload_dir, rank
+        self.inputs: SavedInputs | None = None
+        self.counter = SavedBytes(model)
+        self.saved_bytes: int | None = None
+        """What the last measured forward left for backward (None: none measured yet)."""
+        self._measure_next = True
+        self._restore: list[Callable[[], None]] = []
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return self.inputs.offloaded_bytes if self.inputs is not None else 0
+
+    def install(self, transfers: Transfers) -> None:
+        self.inputs = SavedInputs(self._tier, self._device, transfers, self._directory,
+                                  self._rank)
+        for module in self.modules:
+            self._install(module)
+        if any(isinstance(m, _checkpointing_layer_class() or ()) for m in self.modules):
+            self._cache_off(self.model)
+
+    def _install(self, module: nn.Module) -> None:
+        base = _checkpointing_layer_class()
+        if base is not None and isinstance(module, base):
+            if module.gradient_checkpointing:
+                raise ValueError(
+                    f"activation_checkpointing: {type(module).__name__} is checkpointed by "
+                    "transformers already (model.gradient_checkpointing_enable(), or "
+                    "TrainingArguments(gradient_checkpointing=True)); it would be "
+                    "recomputed twice: use one of the two")
+            module.gradient_checkpointing = True
+            module._gradient_checkpointing_func = self.checkpoint
+            self._restore.append(functools.partial(_undo_transformers, module))
+            return
+        original = module.forward  # the class's, bound
+        module.forward = functools.partial(self._checkpointed, original)
+        self._restore.append(functools.partial(_undo_forward, module))
+
+    def _cache_off(self, model: nn.Module) -> None:
+        """transformers' models pass their layers no KV cache while training with
+        checkpointing on (a recomputed layer would append to it twice): their own switch."""
+        base = _checkpointing_layer_class()
+        for module in model.modules():
+            if (hasattr(module, "gradient_checkpointing") and base is not None
+                    and not isinstance(module, base) and not module.gradient_checkpointing):
+                module.gradient_checkpointing = True
+                self._restore.append(functools.partial(_undo_flag, module))
+
+    def _checkpointed(self, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        # Tensors passed by keyword travel as positional inputs, so the checkpoint saves
+        # them (and they can be offloaded) instead of its closure holding them on the device.
+        names = list(kwargs)
+        count = len(args)
+
+        def run(*inputs: Any) -> Any:
+            return forward(*inputs[:count], **dict(zip(names, inputs[count:])))
+
+        return self.checkpoint(run, *args, *kwargs.values())
+
+    def checkpoint(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``torch.utils.checkpoint`` (non-reentrant), its saved inputs on this tier."""
+        inputs = self.inputs
+        hooks = inputs.hooks() if inputs is not None and inputs.moves else contextlib.nullcontext()
+        with hooks:
+            return checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+    @contextlib.contextmanager
+    def forward_pass(self) -> Iterator[None]:
+        """Around the engine's forward: a fresh sequence of saved inputs, and the count of
+        what the forward keeps when this one is measured."""
+        measure = self._measure_next and torch.is_grad_enabled()
+        assert self.inputs is not None, "install() first"
+        self.inputs.begin_forward()
+        if measure:
+            self._measure_next = False
+            self.counter.begin()
+        try:
+            with self.counter.hooks() if measure else contextlib.nullcontext():
+                yield
+        finally:
+            self.inputs.end_forward()
+        if measure:
+            self.saved_bytes = self.counter.bytes
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[None]:
+        """Measure the next forward inside this block."""
+        self._measure_next = True
+        try:
+            yield
+        finally:
+            self._measure_next = False
+
+    def remove(self) -> None:
+        for undo in reversed(self._restore):
+            undo()
+        self._restore = []
+        if self.inputs is not None:
+            self.inputs.close()
+
+
+def _undo_transformers(module: nn.Module) -> None:
+    module.gradient_checkpointing = False
+    module.__dict__.pop("_gradient_checkpointing_func", None)
+
+
+def _undo_flag(module: nn.Module) -> None:
+    module.gradient_checkpointing = False
+
+
+def _undo_forward(module: nn.Module) -> None:
+    module.__dict__.pop("forward", None)
