@@ -6,6 +6,7 @@ Layers, top to bottom (``docs/architecture.md``): ``integrations`` -> ``engine``
 ``checkpoint`` / ``optim`` / ``offload`` -> ``core`` -> ``comm`` -> ``config``.
 """
 
+from .activation_memory import ActivationEstimate, BlockActivations, estimate_activations
 from .checkpoint.convert import convert
 from .checkpoint.read import consolidate, open_reader, write_consolidated
 from .checkpoint.write import CheckpointError
@@ -23,9 +24,11 @@ from .optim.combined import CombinedOptimizer
 register_if_lightning_imported()
 
 __all__ = [
-    "CheckpointError", "CombinedOptimizer", "GatherOrderError", "LossScaleConfig",
+    "ActivationEstimate", "BlockActivations", "CheckpointError", "CombinedOptimizer",
+    "GatherOrderError", "LossScaleConfig",
     "MemoryEstimate", "ZeroConfig", "ZeroEngine",
-    "consolidate", "convert", "estimate_memory", "meta_init", "open_reader",
+    "consolidate", "convert", "estimate_activations", "estimate_memory", "meta_init",
+    "open_reader",
     "register_strategies", "write_consolidated",
 ]
 __version__ = "0.1.0"
