@@ -208,5 +208,19 @@ def summary(m: dict) -> str:
     for r in m["ranks"]:
         lines.append(f"  rank {r['rank']}: peak RSS +{r['peak_rss_mib']:.0f} MiB, model states "
                      f"{r['model_state_bytes'] / mib:.2f} MiB (ZeRO formula "
-                     f"{r['predicted_bytes'] / mib:.2f} MiB)")
+                     f"{r['predicted_bytes'] / mib:.2f} MiB)" + activations(r))
     return "\n".join(lines)
+
+
+def activations(rank: dict) -> str:
+    """The rank's activation bytes, measured (where the engine measures them) beside the
+    activation formula's saved bytes and backward peak; empty when neither is known."""
+    mib = 2.0**20
+    measured, predicted = rank.get("activation_bytes"), rank.get("predicted_activation_bytes")
+    if measured is None and predicted is None:
+        return ""
+    parts = [f"{measured / mib:.2f} MiB measured"] if measured is not None else []
+    if predicted is not None:
+        parts.append(f"formula {predicted / mib:.2f} MiB, backward peak "
+                     f"{rank['predicted_activation_peak_bytes'] / mib:.2f} MiB")
+    return ", activations " + " (".join(parts) + (")" if len(parts) == 2 else "")

@@ -1,5 +1,6 @@
 """What every recipe job measures: throughput, peak memory per rank beside the ZeRO formula,
-bytes communicated per step, first/final train loss and validation loss/accuracy of the final
+activation bytes per rank beside their formula (``zs.estimate_activations``), bytes
+communicated per step, first/final train loss and validation loss/accuracy of the final
 model; and what ran (strategy, precision, world size, optimizer), read from the run."""
 
 from __future__ import annotations
@@ -84,6 +85,31 @@ def changed_options(config: zs.ZeroConfig) -> str:
     changed = {k: v for k, v in config.to_dict().items()
                if k not in ("stage", "precision") and v != default[k]}
     return ", ".join(f"{k}={v}" for k, v in sorted(changed.items())) or "defaults"
+
+
+def predicted_activations(trainer: L.Trainer, module: L.LightningModule,
+                          cfg: Any) -> dict[str, int] | None:
+    """Activation bytes one rank's micro-batch leaves for backward (``saved``) and its
+    backward peak, by the activation formula for the model as built, the precision that ran
+    and the engine's ``activation_checkpointing`` (read with getattr: an engine without the
+    field checkpoints nothing). None where the formula does not apply: a ``-mixed``
+    precision outside our engine runs under autocast, whose dtypes per op it does not model."""
+    engine = getattr(trainer.strategy, "engine", None)
+    precision = str(run_columns(trainer)["precision"])
+    if engine is None and precision.endswith("-mixed"):
+        return None
+    checkpointing = getattr(getattr(engine, "config", None), "activation_checkpointing", False)
+    model = getattr(module, "model", module)
+    shape = ({"image_size": int(cfg.data.image_size)} if cfg.model.name == "resnet"
+             else {"seq_len": int(cfg.model.seq_len)})
+    device = trainer.strategy.root_device.type
+    try:
+        est = zs.estimate_activations(
+            model, batch_size=int(cfg.data.batch_size), precision=precision,
+            checkpointing=checkpointing, device="cuda" if device == "cuda" else "cpu", **shape)
+    except ValueError:  # a model or checkpointing choice the formula does not cover
+        return None
+    return {"saved": est.saved_bytes, "peak": est.peak_bytes}
 
 
 class JobMetrics(L.Callback):
@@ -225,7 +251,9 @@ class JobMetrics(L.Callback):
             report = engine.memory_report()
             return {"held": report["total_bytes"], "predicted": report["predicted_total_bytes"],
                     "num_params": engine.num_params, "by_kind": {
-                        k: report[f"{k}_bytes"] for k in ("params", "grads", "optimizer")}}
+                        k: report[f"{k}_bytes"] for k in ("params", "grads", "optimizer")},
+                    # what the engine measured its forward keeping for backward, if it does
+                    "activations": report.get("activation_bytes")}
         counted = census(module, list(trainer.optimizers))
         num_params = int(self.cfg_num_params(module))
         _, stage = strategy_label(trainer.strategy)
@@ -245,9 +273,14 @@ class JobMetrics(L.Callback):
 
     def _rank_record(self, trainer: L.Trainer, module: L.LightningModule) -> dict[str, Any]:
         states = self._census or self._model_states(trainer, module)
+        activations = predicted_activations(trainer, module, self.cfg) or {}
+        measured = states.get("activations")
         return {"rank": trainer.global_rank, "peak_rss_mib": _status_mib("VmHWM") - self.base_rss,
                 "model_state_bytes": int(states["held"]),
                 "predicted_bytes": int(states["predicted"]),
+                "activation_bytes": int(measured) if measured is not None else None,
+                "predicted_activation_bytes": activations.get("saved"),
+                "predicted_activation_peak_bytes": activations.get("peak"),
                 "model_state_by_kind": states["by_kind"],
                 "model_state_labels": states.get("labels"), "num_params": int(states["num_params"]),
                 "first_loss": self.first_loss, "train_loss": self.train_loss,

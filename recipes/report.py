@@ -23,9 +23,18 @@ COLUMNS = [
     ("tokens_per_s", "tokens/s", "{:.0f}"), ("peak_rss_mib", "peak RSS MiB/rank", "{:.0f}"),
     ("model_state_mib", "model states MiB/rank", "{:.2f}"),
     ("predicted_mib", "ZeRO formula MiB/rank", "{:.2f}"),
+    ("activation_mib", "activations MiB/rank", "{:.2f}"),
+    ("predicted_activation_mib", "activation formula MiB/rank", "{:.2f}"),
     ("comm_mib_per_step", "MiB sent/step/rank", "{:.2f}"), ("first_loss", "first loss", "{:.3f}"),
     ("train_loss", "final train loss", "{:.3f}"), ("val_loss", "val loss", "{:.3f}"),
 ]
+
+
+def _max_mib(ranks: list[dict[str, Any]], key: str) -> float | None:
+    """The largest figure over ranks in MiB; None where no rank recorded one (a run from
+    before the field, or one the engine or the formula does not measure)."""
+    values = [r[key] for r in ranks if r.get(key) is not None]
+    return max(values) / 2.0**20 if values else None
 
 
 def rows(sweep_dir: Path) -> list[dict[str, Any]]:
@@ -38,6 +47,8 @@ def rows(sweep_dir: Path) -> list[dict[str, Any]]:
             "peak_rss_mib": max(r["peak_rss_mib"] for r in m["ranks"]),
             "model_state_mib": max(r["model_state_bytes"] for r in m["ranks"]) / mib,
             "predicted_mib": max(r["predicted_bytes"] for r in m["ranks"]) / mib,
+            "activation_mib": _max_mib(m["ranks"], "activation_bytes"),
+            "predicted_activation_mib": _max_mib(m["ranks"], "predicted_activation_bytes"),
             "comm_mib_per_step": (m["comm_bytes_per_step"] / mib
                                   if m.get("comm_bytes_per_step") is not None else None),
             "val_acc": m.get("val_acc"), "job": path.parent.name,
@@ -102,7 +113,11 @@ def write(sweep_dir: Path) -> list[Path]:
               "bytes of parameters, gradients and optimizer states one rank holds, beside the "
               "ZeRO formula's prediction (ours: the engine's accounting; DDP, FSDP, DeepSpeed: "
               "a census of the tensors they hold after backward, before the optimizer step, "
-              "in the last warm-up step); bytes sent count every collective of one rank "
+              "in the last warm-up step); activations are the bytes one rank's forward leaves "
+              "for backward (measured by the engine where it does), beside the activation "
+              "formula (zs.estimate_activations: the model, micro-batch, sequence or image "
+              "size, precision and activation checkpointing; blank under autocast); bytes sent "
+              "count every collective of one rank "
               "during training steps (validation and checkpoints left out): the engine's own "
               "counter for ours, the process-group counter (recipes/comm_count.py) for the "
               "others, 'not measured' where that counter saw nothing; the val loss is the "

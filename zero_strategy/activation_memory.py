@@ -151,8 +151,14 @@ def estimate_activations(
     else:
         if seq_len is None:
             raise ValueError(f"seq_len is required for {family}")
-        build = _gpt2 if family == "gpt2" else _bert
-        length, parts = seq_len, build(config, batch_size, seq_len, sizes)
+        if family == "gpt2":
+            # Checkpointing turns the KV cache off while training (transformers' switch, which
+            # the engine uses): a recomputed layer would fill it twice.
+            parts = _gpt2(config, batch_size, seq_len, sizes,
+                          cache=bool(config.use_cache) and unit is None)
+        else:
+            parts = _bert(config, batch_size, seq_len, sizes)
+        length = seq_len
     return _assemble(parts, unit is not None, family=family, batch_size=batch_size, seq_len=length,
                      precision=precision, device=device)
 
@@ -263,7 +269,7 @@ def _loss(b_s: int, vocab: int, logit_bytes: int) -> int:
     return logit_bytes * b_s * vocab + INDEX_BYTES * b_s + logit_bytes
 
 
-def _gpt2(config: Any, b: int, s: int, z: _Sizes) -> _Parts:
+def _gpt2(config: Any, b: int, s: int, z: _Sizes, cache: bool) -> _Parts:
     h, a, vocab, layers = config.n_embd, config.n_head, config.vocab_size, config.n_layer
     inner = config.n_inner or 4 * h
     bsh, bsi, e = b * s * h, b * s * inner, z.e
@@ -275,7 +281,7 @@ def _gpt2(config: Any, b: int, s: int, z: _Sizes) -> _Parts:
         # q, k, v are views of c_attn's (b, s, 3h) output, which the kernel keeps whole; with
         # use_cache (on by default) k and v are first concatenated into the DynamicCache, so
         # the kernel saves those copies instead of views.
-        attention += e * 3 * bsh + (e * 2 * bsh if config.use_cache else 0)
+        attention += e * 3 * bsh + (e * 2 * bsh if cache else 0)
     block = (e * bsh + layer_norm + attention + resid_masks + e * bsh + layer_norm
              + e * bsi * _mlp_saves(config.activation_function, "activation_function"))
     largest = e * max(bsi, bsh * 3)

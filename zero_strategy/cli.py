@@ -1,12 +1,15 @@
-"""The ``zero-strategy`` console command: consolidate checkpoints, print the memory formula."""
+"""The ``zero-strategy`` console command: consolidate checkpoints, print the memory formula
+(model states, and with a model's config the activations of a micro-batch)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import torch
 
+from .activation_memory import FAMILIES, estimate_activations
 from .checkpoint.read import write_consolidated
 from .checkpoint.write import CheckpointError
 from .config import PRECISIONS
@@ -67,7 +70,68 @@ def _human(n: float) -> str:
     return str(n)
 
 
+def _load_model_config(path: str) -> tuple[Any, int]:
+    """A transformers config (a config.json or a directory holding one) and the parameter
+    count of the model it builds, counted on the meta device (nothing allocated)."""
+    from . import integrations
+
+    integrations.require("transformers", "--model-config")
+    import transformers
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # a config's token ids outside a small vocabulary
+    config = AutoConfig.from_pretrained(path)
+    name = FAMILIES.get(getattr(config, "model_type", ""))
+    if name is None:
+        raise ValueError(f"--model-config: model_type {config.model_type!r}; the activation "
+                         f"formula covers {', '.join(sorted(FAMILIES))}")
+    with torch.device("meta"):
+        model = getattr(transformers, name)(config)
+    return config, sum(p.numel() for p in model.parameters())
+
+
+def _print_activations(args: argparse.Namespace, config: Any) -> None:
+    shape = ({"image_size": args.image_size} if config.model_type == "resnet"
+             else {"seq_len": args.seq})
+    plain, ckpt = (estimate_activations(config, batch_size=args.batch, precision=args.precision,
+                                        checkpointing=c, device=args.device, **shape)
+                   for c in (False, True))
+    size = (f"images {args.image_size}x{args.image_size}" if "image_size" in shape
+            else f"sequence {args.seq}")
+    print(f"\nactivations per rank, micro-batch {args.batch}, {size}, {args.precision}, "
+          f"{args.device} (activation formula)")
+    print(f"{'checkpointing':<15}{'saved':>12}{'peak':>12}")
+    for name, est in (("none", plain), ("each block", ckpt)):
+        print(f"{name:<15}{_human(est.saved_bytes):>12}{_human(est.peak_bytes):>12}")
+
+
 def _estimate(args: argparse.Namespace) -> int:
+    config = None
+    try:
+        if args.model_config:
+            config, counted = _load_model_config(args.model_config)
+            args.params = args.params if args.params is not None else counted
+        if args.params is None:
+            raise ValueError("--params is required without --model-config")
+        if config is not None and args.batch is not None:
+            _check_activation_args(args, config)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    status = _print_model_states(args)
+    if status == 0 and config is not None and args.batch is not None:
+        _print_activations(args, config)
+    return status
+
+
+def _check_activation_args(args: argparse.Namespace, config: Any) -> None:
+    needed = "--image-size" if config.model_type == "resnet" else "--seq"
+    if getattr(args, needed[2:].replace("-", "_")) is None:
+        raise ValueError(f"{needed} is required for a {config.model_type} activation estimate")
+
+
+def _print_model_states(args: argparse.Namespace) -> int:
     offload_params = args.offload == "all"
     offload_optimizer = args.offload in ("optimizer", "all")
     rows = []
@@ -127,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "only for checkpoints you trust as code")
     v.set_defaults(func=_convert)
     e = sub.add_parser("estimate", help="per-rank memory of every stage, by the ZeRO formula")
-    e.add_argument("--params", type=_parse_count, required=True, help="e.g. 124M, 7B")
+    e.add_argument("--params", type=_parse_count,
+                   help="e.g. 124M, 7B (default: counted from --model-config)")
     e.add_argument("--world-size", type=int, required=True)
     e.add_argument("--stage", type=int, choices=[0, 1, 2, 3],
                    help="the stage you plan to run: marked with * (all stages are printed)")
@@ -135,6 +200,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "compute"])
     e.add_argument("--optimizer-states", type=int, default=2, help="2 for Adam, 1 for SGD+momentum")
     e.add_argument("--offload", default="none", choices=["none", "optimizer", "all"])
+    e.add_argument("--model-config", help="a transformers config.json (or its directory) of "
+                   f"one of {', '.join(sorted(FAMILIES.values()))}: counts the parameters, "
+                   "and with --batch prints the activations with and without checkpointing")
+    e.add_argument("--batch", type=int, help="micro-batch per rank (activations)")
+    e.add_argument("--seq", type=int, help="sequence length (GPT-2, BERT)")
+    e.add_argument("--image-size", type=int, help="image side (ResNet)")
+    e.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where training runs: dropout masks and attention save differently "
+                   "(the cpu figures are measured, the cuda ones argued from the kernels)")
     e.set_defaults(func=_estimate)
     return parser
 

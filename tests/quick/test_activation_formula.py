@@ -249,3 +249,71 @@ def test_unsupported_models_are_named() -> None:
         zs.estimate_activations(config, batch_size=1, seq_len=4)
     with pytest.raises(ValueError, match="model_type 'llama' is not estimated"):
         zs.estimate_activations(type("C", (), {"model_type": "llama"})(), batch_size=1, seq_len=4)
+
+
+def test_recipes_report_the_prediction_beside_the_measurement(tmp_path: Any) -> None:
+    """The recipe's record: the formula for the model, micro-batch, sequence and precision
+    that ran and the engine's activation_checkpointing; none under autocast (a -mixed
+    precision outside our engine); the engine's measured figure where its report has one."""
+    import json
+    from types import SimpleNamespace
+
+    from recipes import launch, metrics, report
+    from recipes.models import build_model
+
+    model = build_model("gpt", "tiny", vocab_size=256, seq_len=32, dropout=0.0)
+    cfg = SimpleNamespace(model=SimpleNamespace(name="gpt", seq_len=32),
+                          data=SimpleNamespace(batch_size=4, image_size=16))
+    module = SimpleNamespace(model=model)
+
+    def trainer(engine: Any, precision: str) -> Any:
+        strategy = SimpleNamespace(engine=engine, root_device=torch.device("cpu"),
+                                   config=getattr(engine, "config", None))
+        return SimpleNamespace(strategy=strategy, precision=precision, world_size=2,
+                               optimizers=[])
+
+    config = SimpleNamespace(stage=3, activation_checkpointing=True, optimizer_tier="device",
+                             params_tier="device", to_dict=zs.ZeroConfig(stage=3).to_dict)
+    engine = SimpleNamespace(plan=SimpleNamespace(policy=SimpleNamespace(name="bf16-mixed")),
+                             config=config)
+    ours = metrics.predicted_activations(trainer(engine, "32-true"), module, cfg)
+    expected = zs.estimate_activations(model, batch_size=4, seq_len=32,
+                                       precision="bf16-mixed", checkpointing=True)
+    assert ours == {"saved": expected.saved_bytes, "peak": expected.peak_bytes}
+    assert metrics.predicted_activations(trainer(None, "bf16-mixed"), module, cfg) is None
+    assert metrics.predicted_activations(trainer(None, "32-true"), module, cfg)["saved"] == (
+        zs.estimate_activations(model, batch_size=4, seq_len=32).saved_bytes)
+
+    rank = {"rank": 0, "peak_rss_mib": 1, "model_state_bytes": 1, "predicted_bytes": 1,
+            "activation_bytes": 2**20, "predicted_activation_bytes": 2**21,
+            "predicted_activation_peak_bytes": 2**22}
+    (tmp_path / "0-job").mkdir()
+    (tmp_path / "0-job" / "metrics.json").write_text(json.dumps({
+        "strategy": "zero3", "ranks": [rank], "comm_bytes_per_step": 0}))
+    (row,) = report.rows(tmp_path)
+    assert (row["activation_mib"], row["predicted_activation_mib"]) == (1.0, 2.0)
+    assert launch.activations(rank) == (
+        ", activations 1.00 MiB measured (formula 2.00 MiB, backward peak 4.00 MiB)")
+
+
+def test_cli_estimate_prints_activations_from_a_model_config(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import ResNetConfig
+
+    from zero_strategy import cli
+
+    config = ResNetConfig(num_channels=1, num_labels=10, layer_type="basic",
+                          hidden_sizes=[16, 32], depths=[1, 1], embedding_size=16)
+    config.save_pretrained(tmp_path)
+    args = ["estimate", "--model-config", str(tmp_path), "--world-size", "2", "--batch", "32"]
+    assert cli.main([*args, "--image-size", "16"]) == 0
+    out = capsys.readouterr().out
+    plain, ckpt = (zs.estimate_activations(config, batch_size=32, image_size=16,
+                                           checkpointing=c) for c in (False, True))
+    assert "activations per rank, micro-batch 32, images 16x16" in out
+    for name, est in (("none", plain), ("each block", ckpt)):
+        assert f"{name:<15}{cli._human(est.saved_bytes):>12}{cli._human(est.peak_bytes):>12}" in out
+    model, _ = resnet(1, 16, [16, 32], [1, 1], 16, "basic", 0.0, F32)
+    assert f"{sum(p.numel() for p in model.parameters()):,} parameters" in out  # counted
+    assert cli.main(args) == 2
+    assert "--image-size is required for a resnet" in capsys.readouterr().err
