@@ -99,8 +99,9 @@ class Variant:
 
 # -- the work ---------------------------------------------------------------------------------
 
-def build_model(regime: Regime) -> Any:
-    from transformers import GPT2Config, GPT2LMHeadModel
+def gpt_config(regime: Regime) -> Any:
+    """The regime's GPT2Config (also what bench/readme_table.py predicts activations for)."""
+    from transformers import GPT2Config
 
     config = GPT2Config(
         n_layer=regime.layers, n_embd=regime.width, n_head=regime.heads,
@@ -109,8 +110,14 @@ def build_model(regime: Regime) -> Any:
         # GPT-2's default token ids lie outside a smaller vocabulary
         bos_token_id=regime.vocab - 1, eos_token_id=regime.vocab - 1)
     config._attn_implementation = "sdpa"
-    import torch
+    return config
 
+
+def build_model(regime: Regime) -> Any:
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    config = gpt_config(regime)
     torch.manual_seed(SEED)  # the same initial weights in every process and every system
     return GPT2LMHeadModel(config).train()
 
