@@ -149,3 +149,25 @@ def test_zero3_disk_job_continues_the_zero3_job(sweep: tuple[Path, subprocess.Co
     assert not [p for p in offload.iterdir() if p.is_dir()], "each rank removes its files"
 
 
+
+
+def test_checkpointed_job_continues_the_zero3_job(sweep: tuple[Path, subprocess.CompletedProcess],
+                                                 tmp_path: Path) -> None:
+    """The Hydra option: ``strategy.zero.activation_checkpointing=true`` with the layers'
+    inputs on disk continues the sweep's zero3 job from step 4 to 6 with its losses. The
+    recomputation runs the same kernels on the same inputs (dropout 0 in the recipe's model),
+    so the arithmetic is the same: equal to the last bit."""
+    sweep_dir, _ = sweep
+    zero3_job = next(p.parent for p in sweep_dir.glob("*/metrics.json")
+                     if json.loads(p.read_text())["strategy"] == "zero3")
+    source, offload, job = zero3_job / "checkpoints" / "at-step-4", tmp_path / "ssd", tmp_path / "j"
+    run = run_train("strategy=zero3", "strategy.zero.activation_checkpointing=true",
+                    "strategy.zero.offload_activations=disk",
+                    f"strategy.zero.offload_dir={offload}", *FAST,
+                    f"trainer.resume_from='{source}'", f"hydra.run.dir={job}", cwd=tmp_path)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    zero3 = json.loads((zero3_job / "metrics.json").read_text())
+    ours = json.loads((job / "metrics.json").read_text())
+    assert ours["steps"] == zero3["steps"] == 6
+    assert ours["train_loss"] == zero3["train_loss"] and ours["val_loss"] == zero3["val_loss"]
+    assert not [p for p in offload.iterdir() if p.is_dir()], "each rank removes its files"

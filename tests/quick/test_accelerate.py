@@ -29,6 +29,7 @@ def runs(work: Path) -> dict[str, Outcome]:
     bad = work / "bad_plugin.yaml"
     bad.write_text("stage: 3\nofload_params: true\n")
     jobs = [A.ddp_job(work), *A.variant_jobs(work, "zero3", resume=False),
+            *A.variant_jobs(work, "zero3_checkpointed", resume=False),
             # Not launched: the plugin file is read in every process the same way, so one
             # process shows the refusal without paying for a 2-process launch.
             Job("bad", A.COMMON, work / "bad", env={CONFIG_ENV: str(bad)}, launch=False),
@@ -53,6 +54,13 @@ def test_plugin_file_and_code_overrides_reach_the_engine(runs: dict[str, Outcome
 
 def test_matches_plain_accelerate_ddp(runs: dict[str, Outcome]) -> None:
     A.assert_matches_ddp(runs["ddp"], runs["zero3"], "zero3")
+
+
+def test_activation_checkpointing_from_the_plugin(runs: dict[str, Outcome]) -> None:
+    """activation_checkpointing / offload_activations set through the plugin reach the engine;
+    no dropout, so the recomputed run matches plain DDP's arithmetic."""
+    A.assert_overrides_reached_the_engine(runs["zero3_checkpointed"], "zero3_checkpointed")
+    A.assert_matches_ddp(runs["ddp"], runs["zero3_checkpointed"], "zero3_checkpointed")
 
 
 def test_the_resumed_loader_leaves_the_global_generator_alone() -> None:
@@ -138,6 +146,9 @@ def test_shipped_accelerate_config_loads_in_accelerate() -> None:
         ("stage: 2\nunit_numel: 100\n", "unit_numel"),         # stage-3 knob at stage 2
         ("precision: 16-mixed\nloss_scale: {initial: 2.0}\n", "loss_scale.initial"),
         ("loss_scale: {growth_interval: 'often'}\n", "loss_scale.growth_interval"),
+        ("activation_checkpointing: [3]\n", "activation_checkpointing"),  # not class names
+        ("stage: 3\nunit_leaf_classes: GPT2Block\n", "unit_leaf_classes"),  # not a list
+        ("offload_activations: disk\n", "needs activation_checkpointing"),
         ("- stage\n", "mapping"),
         ("stage: [3\n", "YAML"),
     ],
@@ -148,6 +159,18 @@ def test_bad_plugin_config_names_key_and_file(tmp_path: Path, text: str, named: 
     with pytest.raises(ValueError) as err:
         ZeroPlugin.from_config(path)
     assert named in str(err.value) and str(path) in str(err.value)
+
+
+def test_lists_of_class_names_load_from_yaml(tmp_path: Path) -> None:
+    """A YAML list where ZeroConfig takes a tuple of class names (refused before 2026-11-27:
+    the type check knew no tuples)."""
+    path = tmp_path / "plugin.yaml"
+    path.write_text("stage: 3\nunit_leaf_classes: [GPT2MLP]\n"
+                    "activation_checkpointing: [GPT2Block]\noffload_activations: cpu\n")
+    config = ZeroPlugin.from_config(path).resolve(None)
+    assert config.unit_leaf_classes == ("GPT2MLP",)
+    assert config.activation_checkpointing == ("GPT2Block",)
+    assert config.offload_activations == "cpu"
 
 
 def test_wrong_type_in_code_names_the_arguments() -> None:

@@ -102,3 +102,11 @@ def test_bad_input_is_refused_before_launch() -> None:
     model = nn.Linear(2, 2)
     with pytest.raises(RuntimeError, match="setup_module_and_optimizers"):
         strategy.setup_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_activation_checkpointing_through_the_strategy(suite: dict) -> None:
+    """ZeroFabricStrategy(activation_checkpointing=True, offload_activations="disk"): the same
+    losses, norms and weights as DDP (no dropout: recomputation repeats the arithmetic), and
+    it saves and resumes like the preset."""
+    test_matches_ddp(suite, "zero3_checkpointed")
+    test_save_and_load_resume_exactly(suite, "zero3_checkpointed")

@@ -81,6 +81,14 @@ def test_clip_by_value_matches_ddp(suite: dict) -> None:
         assert ref["largest_grad"] > 0.5, "the clamp at 0.5 never engaged"
 
 
+def test_activation_checkpointing_through_the_strategy(suite: dict) -> None:
+    for r, ref in zip(check(suite["zero3_checkpointed"]), check(suite["ddp"])):
+        assert r["checkpointed"] == 3  # the MLP's three blocks
+        assert r["offloaded"] == 3 * 4 * 33 * 4  # each block's input (batch 4 x 33, fp32)
+        for a, b in zip(r["loss"], ref["loss"]):
+            assert a == pytest.approx(b, rel=TOL, abs=1e-7)
+        assert r["rel_vs_ddp"] <= TOL
+
 
 # ---------------------------------------------------------------------- checkpoints
 def test_load_from_checkpoint_without_lightning_state_names_the_command(

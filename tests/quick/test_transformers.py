@@ -17,11 +17,37 @@ from tests.support import trainer_checks as C
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return C.launch(tmp_path_factory.mktemp("trainer"), ["fit_ddp", "fit_z3", "resume_z3"])
+    return C.launch(tmp_path_factory.mktemp("trainer"),
+                    ["fit_ddp", "fit_z3", "resume_z3", "ckpt_ddp", "ckpt_z3"])
 
 
 def test_zero3_trainer_matches_ddp_trainer(runs: dict) -> None:
     C.assert_matches_ddp(runs["fit_ddp"], runs["fit_z3"], "zero3")
+
+
+def test_plugin_checkpointing_matches_trainer_gradient_checkpointing(runs: dict) -> None:
+    """ZeroPlugin(activation_checkpointing=True, offload_activations="disk") against plain
+    Trainer with gradient_checkpointing=True (non-reentrant): the same layers recomputed with
+    the forward's dropout masks, so the same bound as without checkpointing."""
+    C.assert_matches_ddp(runs["ckpt_ddp"], runs["ckpt_z3"], "zero3 checkpointed")
+    assert runs["ckpt_ddp"]["hf_checkpointing"]  # the reference really recomputes
+    # the engine's: both GPT-2 layers, their inputs (4 rows x 16 tokens x 32 wide) on disk
+    assert runs["ckpt_z3"]["checkpointed"] == 2
+    assert runs["ckpt_z3"]["offloaded"] == 2 * 4 * 16 * 32 * 4
+
+
+def test_plugin_checkpointing_and_trainer_gradient_checkpointing_are_one_or_the_other(
+        tmp_path: Path) -> None:
+    from transformers import TrainingArguments
+
+    from tests.worlds.transformers_run import Tokens, tiny_gpt2
+    from zero_strategy.transformers import ZeroPlugin, ZeroTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                             gradient_checkpointing=True)
+    with pytest.raises(ValueError, match="gradient_checkpointing=True.*keep one"):
+        ZeroTrainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(),
+                    zero_plugin=ZeroPlugin(stage=3, activation_checkpointing=True))
 
 
 def test_checkpoint_holds_trainer_files_and_the_sharded_state(runs: dict) -> None:

@@ -24,6 +24,10 @@ VARIANTS = {
     "zero3": ("zero3.yaml", SMALL_UNITS),
     "zero3_offload": ("zero3_offload.yaml", SMALL_UNITS),
     "zero3_disk": ("zero3_disk.yaml", SMALL_UNITS),
+    # Each Linear (a stage-3 unit itself here) recomputed in backward, its input on disk.
+    "zero3_checkpointed": ("zero3.yaml", [*SMALL_UNITS, "--zero-opt",
+                                          "activation_checkpointing=[Linear]", "--zero-opt",
+                                          "offload_activations=disk"]),
 }
 # The recipe's 2-layer GPT-2 (dropout 0.1) on a shuffled loader, one batch per step.
 GPT2_STEPS, GPT2_SAVE_AT = 12, 6

@@ -37,6 +37,10 @@ def make_strategy(name: str) -> Any:
     if name == "zero3_units":
         return ZeroFabricStrategy(stage=3, unit_numel=500, param_persistence_threshold=40,
                                   timeout=TIMEOUT)
+    if name == "zero3_checkpointed":  # the MLP's blocks recomputed, their inputs on disk
+        return ZeroFabricStrategy(stage=3, unit_numel=500, param_persistence_threshold=40,
+                                  activation_checkpointing=True, offload_activations="disk",
+                                  timeout=TIMEOUT)
     return name
 
 
@@ -242,3 +246,6 @@ def fabric_suite(results: Any, out_dir: Path, presets: tuple[str, ...],
         results.run(f"fabric_{name}", scenario)
     if extras:
         results.run("fabric_several_optimizers", lambda: several_optimizers(out_dir))
+        results.run("fabric_zero3_checkpointed",
+                    lambda: {k: v for k, v in run("zero3_checkpointed", out_dir,
+                                                  ref["weights"]).items() if k != "weights"})

@@ -433,6 +433,22 @@ def value_clip(strategy: Any, reference: bool = False) -> dict[str, Any]:
             "largest_grad": max(rec.ref_max) if rec.ref_max else None}
 
 
+def checkpointed() -> dict[str, Any]:
+    """``ZeroStrategy(activation_checkpointing=True, offload_activations="disk")``: the MLP's
+    blocks recomputed, their inputs on disk; no dropout, so DDP without checkpointing is the
+    reference (recomputation repeats the same arithmetic)."""
+    rec, model = Recorder(), MLPModule()
+    strategy = ZeroStrategy(stage=3, unit_numel=500, param_persistence_threshold=40,
+                            activation_checkpointing=True, offload_activations="disk",
+                            timeout=TIMEOUT)
+    t = trainer(strategy, 2 * K, [rec])
+    t.fit(model, loader(1))
+    report = t.strategy.engine.memory_report()
+    return {"loss": rec.loss, "rel_vs_ddp": rel_diff(weights_of(t, model), REF["weights"]),
+            "checkpointed": report["checkpointed_modules"],
+            "offloaded": report["offloaded_activation_bytes"]}
+
+
 class BackboneModule(MLPModule):
     """``backbone`` (frozen by BackboneFinetuning until epoch 1) and a head; the optimizer
     starts with the trainable parameters only, the callback adds the backbone's group."""
@@ -498,6 +514,7 @@ def trainer_suite(results: Results, out: Path, presets: tuple[str, ...],
     results.run("ddp_value", lambda: value_clip(DDPStrategy(timeout=TIMEOUT), reference=True))
     results.run("zero3_value", lambda: value_clip("zero3"))
     results.run("bf16", bf16)
+    results.run("zero3_checkpointed", checkpointed)
     results.run("two_optimizers", two_optimizers)
     results.run("combined_optimizer", lambda: combined_optimizer(out))
     results.run("finetune_zero0", lambda: finetune(ZeroStrategy(stage=0, timeout=TIMEOUT)))

@@ -92,19 +92,24 @@ def scenario(fn: Callable[[Path], dict[str, Any]]) -> Callable[[Path], dict[str,
 
 
 # ---------------------------------------------------------------------------------- fit
-def _fit(mode: str, out: Path) -> dict[str, Any]:
+def _fit(mode: str, out: Path, tag: str = "fit", **overrides: Any) -> dict[str, Any]:
     """Train with accumulation, clipping, a warm-up + cosine schedule, evaluation and a
     checkpoint every 2 steps; then save_model and predict."""
-    run = out / f"fit_{mode}"
+    run = out / f"{tag}_{mode}"
     trainer = trainer_for(mode, model=tiny_gpt2(), train_dataset=Tokens(),
                           eval_dataset=Tokens(8, seed=1),
                           args=arguments(run, eval_strategy="steps", eval_steps=2,
-                                         save_strategy="steps", save_steps=2))
+                                         save_strategy="steps", save_steps=2, **overrides))
     trainer.train()
     trainer.save_model(str(run / "final"))
     predictions = trainer.predict(Tokens(8, seed=2))
     torch.save(torch.as_tensor(predictions.predictions), run / "predictions.pt")
+    engine = getattr(trainer, "zero_engine", None)
+    report = engine.memory_report() if engine is not None else {}
     return {**history(trainer), "final": str(run / "final"), "run": str(run),
+            "checkpointed": report.get("checkpointed_modules"),
+            "offloaded": report.get("offloaded_activation_bytes"),
+            "hf_checkpointing": trainer.model.is_gradient_checkpointing,
             "predictions": str(run / "predictions.pt"),
             "test_loss": predictions.metrics["test_loss"],
             "checkpoints": sorted(p.name for p in run.glob("checkpoint-*"))}
@@ -124,6 +129,14 @@ def _resume(mode: str, out: Path) -> dict[str, Any]:
 for _mode in MODES:
     SCENARIOS[f"fit_{_mode}"] = functools.partial(_fit, _mode)
     SCENARIOS[f"resume_{_mode}"] = functools.partial(_resume, _mode)
+
+# Activation checkpointing, dropout on: plain Trainer through transformers' own switch,
+# ZeroTrainer through the plugin (the layers' inputs on disk); the same functions recomputed.
+MODES["z3ckpt"] = {**MODES["z3"], "activation_checkpointing": True, "offload_activations": "disk"}
+SCENARIOS["ckpt_ddp"] = functools.partial(
+    _fit, "ddp", tag="ckpt", gradient_checkpointing=True,
+    gradient_checkpointing_kwargs={"use_reentrant": False})
+SCENARIOS["ckpt_z3"] = functools.partial(_fit, "z3ckpt", tag="ckpt")
 
 
 def _best(mode: str, out: Path) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import multiprocessing.util
 import os
 import tempfile
 import weakref
@@ -208,6 +209,9 @@ class SavedInputs:
                 os.makedirs(self._directory, exist_ok=True)
             self._files = tempfile.TemporaryDirectory(
                 prefix=f"zs-activations-rank{self._rank}-", dir=self._directory)
+            # Removed by close(), when collected, at interpreter exit, and at the exit of a
+            # forked worker (multiprocessing skips atexit there), as the disk tier's.
+            multiprocessing.util.Finalize(self, self._files.cleanup, exitpriority=10)
         fd, path = tempfile.mkstemp(dir=self._files.name, suffix=".act")
         os.unlink(path)
         return fd
@@ -418,9 +422,11 @@ class Activations:
     def forward_pass(self) -> Iterator[None]:
         """Around the engine's forward: a fresh sequence of saved inputs, and the count of
         what the forward keeps when this one is measured."""
-        measure = self._measure_next and torch.is_grad_enabled()
+        training = torch.is_grad_enabled()
+        measure = self._measure_next and training
         assert self.inputs is not None, "install() first"
-        self.inputs.begin_forward()
+        if training:  # an evaluation saves nothing: the last training forward's figures stay
+            self.inputs.begin_forward()
         if measure:
             self._measure_next = False
             self.counter.begin()

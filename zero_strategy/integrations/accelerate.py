@@ -248,12 +248,19 @@ def _matches(value: Any, expected: Any) -> bool:
             return True
         if option is str and isinstance(value, str):
             return True
+        if typing.get_origin(option) is tuple and isinstance(value, (list, tuple)):
+            # tuple[str, ...]: a YAML list of class names (unit_leaf_classes, ...)
+            item = typing.get_args(option)[0]
+            if all(_matches(v, item) for v in value):
+                return True
     return False
 
 
 def _type_name(expected: Any) -> str:
     options = typing.get_args(expected) if isinstance(expected, types.UnionType) else (expected,)
-    return " | ".join("None" if o is type(None) else o.__name__ for o in options)
+    return " | ".join("None" if o is type(None)
+                      else f"list of {typing.get_args(o)[0].__name__}"
+                      if typing.get_origin(o) is tuple else o.__name__ for o in options)
 
 
 # ---------------------------------------------------------------------------------- wrappers
