@@ -34,7 +34,8 @@ def worlds(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
 PARITY = ["parity_stage0", "parity_stage1", "parity_stage2", "parity_stage3",
           "parity_stage2_offload", "parity_stage3_offload", "parity_stage2_bf16",
           "parity_stage3_bf16_offload", "parity_stage1_fp16", "parity_stage3_fp16",
-          "parity_stage2_accumulate", "parity_stage3_accumulate_offload"]
+          "parity_stage2_accumulate", "parity_stage3_accumulate_offload",
+          "parity_stage3_ckpt_cpu", "parity_stage2_ckpt_disk"]
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -43,6 +44,8 @@ def test_matches_the_global_batch_reference(worlds: dict, n: int, name: str) -> 
     for r in check(worlds[n][name]):
         assert r["rel_to_update"] <= r["tolerance"], r
         assert r["master_devices"] == (["cpu"] if "offload" in name else ["cuda"])
+        # a GPU's activations leave it: each of the MLP's 3 blocks' inputs (4 x 33 fp32)
+        assert r["offloaded"] == (3 * 4 * 33 * 4 if "ckpt" in name else 0)
 
 
 @pytest.mark.parametrize("n", [1, 2])

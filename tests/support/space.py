@@ -104,6 +104,7 @@ def generate(seed: int, world: int) -> dict[str, Any]:
         "clip": rng.choice([None, None, 0.3, 5.0]),
         "op": None,
     }
+    _activations(case, seed)
     if rng.random() < 0.5:
         op = rng.choice(OPS)
         case["op"] = {"name": op, "at": rng.randint(1, steps - 1), "pick": rng.random()}
@@ -111,6 +112,20 @@ def generate(seed: int, world: int) -> dict[str, Any]:
             case["op"]["config"] = _config(rng, world, "experts" in parts,
                                            precision=precision)
     return case
+
+
+def _activations(case: dict[str, Any], seed: int) -> None:
+    """Activation checkpointing of some of the model's part classes, their inputs on the
+    device, in host memory or on disk. Drawn from a generator of its own, so the draws of
+    the rest of a case (and the regression cases written as dicts before it) stay as
+    they were."""
+    rng = random.Random(seed * 104729 + case["world"])
+    if rng.random() >= 0.3:
+        return
+    classes = sorted({sm.PART_CLASSES[p] for p in case["model"]["parts"]})
+    chosen = rng.sample(classes, rng.randint(1, len(classes)))
+    case["config"]["activation_checkpointing"] = chosen
+    case["config"]["offload_activations"] = rng.choice([False, False, "cpu", "disk"])
 
 
 def _config(rng: random.Random, world: int, experts: bool,

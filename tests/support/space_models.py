@@ -19,6 +19,10 @@ from torch.nn import functional as F
 
 PARTS = ("linear", "layernorm", "conv1d", "mha", "direct", "twice", "frozen", "buffers",
          "experts", "outside")
+PART_CLASSES = {"linear": "Residual", "layernorm": "LayerNorm", "conv1d": "Conv",
+                "mha": "Attention", "direct": "Direct", "twice": "Twice", "frozen": "Frozen",
+                "buffers": "Buffers", "experts": "Experts", "outside": "Outside"}
+"""The module class each part builds (``activation_checkpointing`` names classes)."""
 
 
 class Residual(nn.Module):

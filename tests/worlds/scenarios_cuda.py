@@ -84,7 +84,8 @@ def parity(stage: int, precision: str = "32-true", accumulate: int = 1, steps: i
     worst = max(float((got[k].float().to(_device()) - want[k]).norm()
                       / (want[k] - initial[k]).norm().clamp_min(1e-12)) for k in want)
     return {"rel_to_update": worst, "tolerance": tolerance or TOLERANCE[precision],
-            "master_devices": sorted({u.param_store.master.device.type for u in engine.units})}
+            "master_devices": sorted({u.param_store.master.device.type for u in engine.units}),
+            "offloaded": engine.memory_report()["offloaded_activation_bytes"]}
 
 
 def muon_parity(stage: int, steps: int = 4, **extra: Any) -> dict[str, Any]:
@@ -359,6 +360,12 @@ else:
     register("parity_stage2_accumulate", parity, stage=2, accumulate=2)
     register("parity_stage3_accumulate_offload", parity, stage=3, accumulate=2,
              offload_optimizer=True, offload_params=True)
+    # The MLP's blocks recomputed, their inputs copied to pinned host memory on the side
+    # stream / written to disk, and brought back ahead of their recomputation.
+    register("parity_stage3_ckpt_cpu", parity, stage=3, activation_checkpointing=True,
+             offload_activations="cpu")
+    register("parity_stage2_ckpt_disk", parity, stage=2, accumulate=2,
+             activation_checkpointing=True, offload_activations="disk")
     register("offload_race", offload_race)
     register("muon_stage1", muon_parity, stage=1)
     register("muon_stage3_offload", muon_parity, stage=3, offload_optimizer=True,

@@ -257,8 +257,9 @@ class _Saved:
             return
         if self._fd is not None:
             fd, written = self._fd, self._written
+            pinned = self.store.device.type == "cuda"  # so the copy up is asynchronous
             self._fetched = self.store.read(
-                functools.partial(_read, fd, written, self.shape, self.dtype))
+                functools.partial(_read, fd, written, self.shape, self.dtype, pinned))
         else:
             assert self._host is not None
             self._fetched = self.store.to_device(self._host)
@@ -286,10 +287,10 @@ def _write(fd: int, host: torch.Tensor, copy: Copy | None) -> int:
 
 
 def _read(fd: int, written: Future[int] | None, shape: tuple[int, ...],
-          dtype: torch.dtype) -> torch.Tensor:
+          dtype: torch.dtype, pinned: bool) -> torch.Tensor:
     assert written is not None
     nbytes = written.result()
-    out = torch.empty(shape, dtype=dtype)
+    out = torch.empty(shape, dtype=dtype, pin_memory=pinned)
     view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
     done = 0
     while done < nbytes:
