@@ -92,6 +92,11 @@ def test_bad_choices_are_refused_by_name(world: dict) -> None:
     assert "gradient_checkpointing" in errors["twice"] and "twice" in errors["twice"]
 
 
+def test_an_input_changed_in_place_is_refused(world: dict) -> None:
+    for name, error in check(world["in_place_change_refused"])[0].items():
+        assert error is not None and "modified by an inplace operation" in error, name
+
+
 def test_close_gives_the_model_back_unwrapped(world: dict) -> None:
     r = check(world["closed_model_is_plain"])[0]
     assert r["during"] == [True] * 3 and r["after"] == [False] * 3

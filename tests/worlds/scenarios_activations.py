@@ -222,6 +222,41 @@ def refusals() -> dict:
     return errors
 
 
+class _ChangesItsInput(nn.Module):
+    """Changes, in place, a tensor block 0 kept for its recomputation (and keeps it alive)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.kept: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 1.0
+        y = self.blocks[0](h)
+        h.add_(1.0)
+        self.kept = [h]
+        return self.blocks[1](y).sum()
+
+
+def in_place_change_refused() -> dict:
+    """Autograd refuses a saved tensor changed in place; so must a measured forward (whose
+    counting hook stands between) and the offloaded copy (whose source still lives)."""
+    out = {}
+    for offload in (False, "disk"):
+        model = _ChangesItsInput()
+        engine = zs.ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), zs.ZeroConfig(
+            stage=2, activation_checkpointing=True, offload_activations=offload))
+        for step in ("measured", "plain"):
+            try:
+                engine.backward(engine(torch.randn(3, 4, requires_grad=True)))
+                out[f"{offload or 'device'}_{step}"] = None
+            except RuntimeError as e:
+                out[f"{offload or 'device'}_{step}"] = str(e)
+            engine.zero_grad()
+        engine.close()
+    return out
+
+
 def closed_model_is_plain() -> dict:
     """close() gives the model back without the engine's checkpointing."""
     model = gpt2()
@@ -251,6 +286,7 @@ def _register(world: str | None) -> None:
         register("measured", measured)
         register("refusals", refusals)
         register("closed_model_is_plain", closed_model_is_plain)
+        register("in_place_change_refused", in_place_change_refused)
     elif world in ("1", "3"):
         for stage in range(4):
             for offload in (False, "cpu", "disk"):

@@ -161,16 +161,17 @@ class SavedInputs:
         known = self._by_tensor.get(id(tensor))
         saved = known[1] if known is not None and known[0]() is tensor else None
         if saved is None:
-            saved = _Saved(self, tensor, len(self._sequence))
+            saved = _Saved(self, tensor, self._sequence)
             self._by_tensor[id(tensor)] = (weakref.ref(tensor), saved)
-            self._sequence.append(weakref.ref(saved))
             self.offloaded_bytes += tensor.numel() * tensor.element_size()
         return saved
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Saved):
             return packed
-        for earlier in self._sequence[max(packed.index - PREFETCH_INPUTS, 0) : packed.index]:
+        # Its own forward's sequence: a second forward before this backward has its own.
+        sequence = packed.sequence
+        for earlier in sequence[max(packed.index - PREFETCH_INPUTS, 0) : packed.index]:
             ahead = earlier()
             if ahead is not None:
                 ahead.fetch()
@@ -232,9 +233,15 @@ class _Saved:
     need) or ``value``; kept until autograd drops it, so a second backward
     (``retain_graph``) reads it again."""
 
-    def __init__(self, store: SavedInputs, tensor: torch.Tensor, index: int) -> None:
+    def __init__(self, store: SavedInputs, tensor: torch.Tensor,
+                 sequence: list[weakref.ref[_Saved]]) -> None:
         self.store = store
-        self.index = index
+        self.sequence, self.index = sequence, len(sequence)
+        sequence.append(weakref.ref(self))
+        # An in-place change after this point is what autograd refuses for a saved tensor
+        # (its version counter); the copy here cannot see it, so the value is checked
+        # against the source's counter when it is read back, if the source still lives.
+        self._source, self._version = weakref.ref(tensor), tensor._version
         self.shape = tuple(tensor.shape)
         self.dtype = tensor.dtype
         self._fd: int | None = None
@@ -265,6 +272,14 @@ class _Saved:
             self._fetched = self.store.to_device(self._host)
 
     def value(self) -> torch.Tensor:
+        source = self._source()
+        if source is not None and source._version != self._version:
+            raise RuntimeError(
+                "offload_activations: one of the variables needed for gradient computation "
+                "has been modified by an inplace operation: an input a checkpointed module "
+                f"kept for its recomputation ({list(source.shape)}) changed after the forward "
+                "used it, as autograd refuses for any saved tensor; clone it before changing "
+                "it in place")
         self.fetch()
         fetched, self._fetched = self._fetched, None  # a second unpack fetches again
         if isinstance(fetched, Future):
@@ -325,9 +340,9 @@ class SavedBytes:
         self._buffers = {b.untyped_storage().data_ptr() for b in self.model.buffers()}
 
     def hooks(self) -> contextlib.AbstractContextManager[None]:
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, _same)
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _checked)
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
         base = tensor._base if tensor._base is not None else tensor
         if not isinstance(base, nn.Parameter):
             storage = tensor.untyped_storage()
@@ -335,10 +350,19 @@ class SavedBytes:
             if key not in self._seen and key not in self._buffers:
                 self._seen.add(key)
                 self.bytes += storage.nbytes()
-        return tensor
+        # With a hook autograd no longer compares the saved tensor's version at unpack: the
+        # hook does, so a measured forward refuses an in-place change as any other does.
+        return tensor, tensor._version
 
 
-def _same(tensor: torch.Tensor) -> torch.Tensor:
+def _checked(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+    tensor, version = packed
+    if tensor._version != version:
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: {tensor.type()} {list(tensor.shape)} is at version "
+            f"{tensor._version}; expected version {version} instead (found while the engine "
+            "measured this forward's activations)")
     return tensor
 
 
