@@ -19,6 +19,11 @@ different code (mixture-of-experts routing leaves an expert unused on one rank o
   issued. Without it, which comes first on a rank when ranks run different modules (experts),
   a unit's completion or the next unit's gather, depends on its data, and two ranks could
   hang each other (found by tests/support/space.py);
+- a module's forward inside backward is a checkpointed module recomputing: its units are
+  gathered then and stay whole through the backward that follows at once (freed when their
+  gradients arrive), so a step gathers each unit once for forward and once for backward as
+  without checkpointing; and since backward then needs units block by block, each block's in
+  forward order, it prefetches along the order the previous backward needed them;
 - stage-3 gathers follow the modules that run, so with ``check_gather_order`` each gather is
   preceded by a tiny all-gather of the unit's index, and ranks that disagree raise an error
   naming both units instead of exchanging the wrong shards or hanging. When the group
@@ -34,7 +39,6 @@ different code (mixture-of-experts routing leaves an expert unused on one rank o
 from __future__ import annotations
 
 import enum
-import itertools
 from typing import Any
 
 import torch
@@ -368,7 +372,8 @@ class Runtime:
         if position is not None and position > self._plan_reached:
             self._plan_reached = position
         ahead: list[Unit] = []
-        for later in itertools.islice(plan, self._plan_reached + 1, None):
+        for i in range(self._plan_reached + 1, len(plan)):
+            later = plan[i]
             if later.index not in self._traced:
                 ahead.append(later)
                 if len(ahead) > READ_AHEAD_UNITS:
