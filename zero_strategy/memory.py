@@ -20,7 +20,7 @@ import torch
 
 from .config import ZeroConfig
 from .core.precision import make_policy
-from .offload.disk import WRITES_IN_FLIGHT
+from .offload.disk import WRITES_IN_FLIGHT, keep_budget
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -50,7 +50,9 @@ class MemoryEstimate:
     ``(u1 + (1 + WRITES_IN_FLIGHT) * u2) * (m + k + g)``; beside it the buffers backward
     used, which the pool keeps for the next step: the gathered first unit and its gradient,
     ``u1 * (p + g)``, and two more units in flight, gathered and reduced, ``2 * u2 * (p +
-    g)``."""
+    g)``; and what the tier keeps for the next phase (``offload.disk.keep_budget``: a
+    shard or a gradient of each of the two largest units at the master's size, ``(u1 +
+    u2) * m``)."""
 
     @property
     def resident_bytes(self) -> int:
@@ -133,7 +135,8 @@ def estimate_memory(
     if optimizer_disk:
         u1, u2 = ([*sorted(largest_unit_numels, reverse=True), 0, 0])[:2]
         stepping = u1 + (1 + WRITES_IN_FLIGHT) * u2
-        window = stepping * (state * (1 + optimizer_states) + g) + (u1 + 2 * u2) * (p + g)
+        window = (stepping * (state * (1 + optimizer_states) + g) + (u1 + 2 * u2) * (p + g)
+                  + keep_budget([u1, u2], state))
     resident = params_resident + (0 if disk_grads else grads) + (0 if optimizer_disk else optim)
     return MemoryEstimate(
         num_params=num_params, stage=stage, world_size=n, precision=precision,

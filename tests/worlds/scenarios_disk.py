@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -106,6 +107,75 @@ def _norms(engine: zs.ZeroEngine, kind: str) -> list[float]:
     engine.clip_grad_value_(1e-4)
     out.append(engine.get_global_grad_norm(float("inf")).item())
     engine.step()
+    return out
+
+
+def _io(engine: zs.ZeroEngine) -> tuple[int, int, int]:
+    tier = engine.tier
+    return (tier.read_bytes, tier.written_bytes, tier.reused_bytes) if tier else (0, 0, 0)
+
+
+def _reads_without_keeping(engine: zs.ZeroEngine, stepped: bool) -> int:
+    """What one steady step reads when nothing stays for the next phase, from the units'
+    files: every gathered shard in forward, again in backward but the root's (gathered for
+    the whole pass), and every file the optimizer step reads (master, gradient, states)."""
+    tier = engine.tier
+    assert tier is not None
+    gathered = [u for u in engine.units if u.param_store.gathers]
+    forward = sum(tier.file_bytes([u.param_store.shard]) for u in gathered)
+    backward = sum(tier.file_bytes([u.param_store.shard]) for u in gathered
+                   if u is not engine.runtime.root_unit)
+    step = sum(tier.file_bytes(engine.optimizer._step_tensors(u)) for u in engine.units)
+    return forward + backward + (step if stepped else 0)
+
+
+def streaming(keep: bool) -> dict:
+    """Stage 3 with clipping and a step skipped for a NaN gradient (rank 0, step 2): per
+    step, the bytes the tier read against the units' files, the bytes kept for the next
+    phase against its budget, and the losses against the host tier's."""
+    kind, nan_step = "gpt2", 2
+    engines = {"cpu": _engine(kind, 3, "cpu", nonfinite_grads="skip"),
+               "disk": _engine(kind, 3, "disk", _dir(f"streaming{int(keep)}"),
+                               nonfinite_grads="skip")}
+    disk = engines["disk"]
+    tier = disk.tier
+    assert tier is not None
+    if not keep:
+        tier.keep_bytes = 0
+    out: dict = {"direct": tier.direct, "keep_bytes": tier.keep_bytes, "steps": [],
+                 "kept_peak": 0, "budget": disk_module.keep_budget(
+                     [u.layout.shard_numel for u in disk.units], 4)}
+    losses: dict[str, list[float]] = {"cpu": [], "disk": []}
+    for name, engine in engines.items():
+        gen = torch.Generator().manual_seed(5 + dist.get_rank())
+        weight = engine.module.transformer.h[0].mlp.c_fc.weight
+        for step in range(5):
+            before = _io(engine)
+            hook = None
+            if step == nan_step and dist.get_rank() == 0:
+                hook = weight.register_hook(lambda g: g * float("nan"))
+            loss = loss_of(kind, engine, batch(kind, gen))
+            out["kept_peak"] = max(out["kept_peak"], tier.kept_bytes)
+            engine.backward(loss)
+            out["kept_peak"] = max(out["kept_peak"], tier.kept_bytes)
+            if hook is not None:
+                hook.remove()
+            engine.clip_grad_norm_(0.05)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the skipped step's warning
+                stepped = engine.step()
+            losses[name].append(loss.item())
+            if engine is disk:
+                tier.drain(keep_resident=True)
+                read, written, reused = (b - a for a, b in zip(before, _io(engine)))
+                out["steps"].append({"stepped": stepped, "read": read, "written": written,
+                                     "reused": reused, "kept": tier.kept_bytes,
+                                     "expected": _reads_without_keeping(engine, stepped)})
+    out["losses_equal"] = losses["cpu"] == losses["disk"]
+    sa, sb = engines["cpu"].full_state_dict(), disk.full_state_dict()
+    out["weights_equal"] = all(torch.equal(sa[k], sb[k]) for k in sa)
+    out["skipped"] = disk.skipped_steps
+    disk.close()
     return out
 
 
@@ -304,6 +374,8 @@ for _stage in (2, 3):
 register("parity_stage3_accumulate", parity, stage=3, micro=2)
 register("parity_stage3_mapped", parity, stage=3, micro=2, mapped=True)
 register("parity_stage3_bf16", parity, stage=3, kind="mlp", precision="bf16-mixed")
+register("streaming_kept", streaming, keep=True)
+register("streaming_unkept", streaming, keep=False)
 register("refusals", refusals)
 register("custom_optimizer", custom_optimizer)
 register("full_disk", full_disk)

@@ -117,6 +117,11 @@ class Placement:
         if self.tier is not None:
             self.tier.prefetch(tensors)
 
+    def before_read(self, tensors: list[torch.Tensor]) -> None:
+        """``tensors`` are about to be read whole (a gather's source): in memory first."""
+        if self.tier is not None:
+            self.tier.load(tensors)
+
     def to_overwrite(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``, about to be overwritten whole: in the disk tier its transfers are
         waited for and its old contents dropped unread (fresh memory)."""
@@ -130,9 +135,11 @@ class Placement:
         if self.tier is not None:
             self.tier.ready(tensors)
 
-    def done_with(self, tensors: list[torch.Tensor], dirty: bool) -> None:
+    def done_with(self, tensors: list[torch.Tensor], dirty: bool, keep: bool = False) -> None:
+        """``keep``: the next phase may begin with these (the disk tier keeps the most
+        recent such releases in memory, up to its budget)."""
         if self.tier is not None:
-            self.tier.release(tensors, dirty)
+            self.tier.release(tensors, dirty, keep)
 
 
 def _initial_flat(
@@ -403,7 +410,10 @@ class ShardedParams(ParamStore):
         return self._state
 
     def _device_shard(self) -> torch.Tensor:
-        if not self.placement.offload_params:
+        self.placement.before_read([self.shard])
+        if not self.placement.offload_params or not self.transfers.host_is_separate:
+            # The disk tier on a CPU device: the shard's memory is the device's already; a
+            # staged copy would cost a fresh allocation and a copy of every gathered byte.
             return self.shard
         # Offloaded shards are staged on the compute device just for the gather.
         staged = torch.empty(self.shard.numel(), dtype=self.shard.dtype, device=self.full.device)
@@ -430,6 +440,9 @@ class ShardedParams(ParamStore):
             for p, view in zip(self.params, self._views):
                 p.data = view
             self._state = ParamState.UNSHARDED
+            # The whole copy serves until the reshard: the shard's memory need not be held
+            # beside it (a disk tier keeps it only among the most recent, up to its budget).
+            self.placement.done_with([self.shard], dirty=False, keep=True)
 
     def reshard(self) -> None:
         self.finish_unshard()  # never free memory a collective is still writing
@@ -438,7 +451,9 @@ class ShardedParams(ParamStore):
                 p.data = placeholder
             self.pool.reclaim(self.full.untyped_storage())
             self._state = ParamState.SHARDED
-            self.placement.done_with([self.shard], dirty=False)
+            # The units freed last are gathered first by the next pass (backward runs
+            # forward's order backwards; the step begins with backward's last units).
+            self.placement.done_with([self.shard], dirty=False, keep=True)
 
     def read_ahead(self) -> None:
         if self._state is ParamState.SHARDED:

@@ -134,7 +134,9 @@ class Unit:
         if grad.numel():  # the expressions the uncached passes evaluate, for equal bits
             self.grad_summary = (torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32) ** 2.0,
                                  torch.linalg.vector_norm(grad, float("inf")))
-        placement.done_with([grad], dirty=True)
+        # Kept unwritten: the last gradients of backward are the step's first, and one kept
+        # to the end of the step is cleared by zero_grad() without ever being written.
+        placement.done_with([grad], dirty=True, keep=True)
 
     def scaled_grad(self) -> torch.Tensor:
         """``master_grad`` with the deferred clipping applied, into a pooled buffer when there

@@ -23,6 +23,7 @@ from torch.profiler import record_function
 
 from ..comm.collectives import Communicator
 from ..core.units import Unit
+from ..offload.disk import keep_budget
 from .combined import parts as combined_parts
 from .inner import IMPLEMENTATION_KEYS, inner_groups, rebuild, state_record, sync_hyperparameters
 from .owner import OwnerPart
@@ -242,6 +243,7 @@ class ShardedOptimizer:
         self.shards = shards
         self.rank = comm.rank if shards > 1 else 0
         self.segments = _segments(units, self.rank)
+        self._keep_budget()
         self.parts: list[ShardPart | OwnerPart] = []
         first = 0
         for opt in combined_parts(user_optimizer):
@@ -278,6 +280,14 @@ class ShardedOptimizer:
         last = self.parts[-1]
         assert isinstance(last, ShardPart), "check_adoptable() runs first"
         last.add_segments(new)
+        self._keep_budget()
+
+    def _keep_budget(self) -> None:
+        """The disk tier keeps a constant part of one phase for the next (``keep_budget``)."""
+        if self.tier is not None:
+            sizes = [u.layout.shard_numel for u in self.units]
+            itemsize = max((u.param_store.master.element_size() for u in self.units), default=4)
+            self.tier.keep_bytes = keep_budget(sizes, itemsize)
 
     def step(self) -> None:
         for unit in self.units:  # the host is about to write masters copies may still read
@@ -296,17 +306,22 @@ class ShardedOptimizer:
 
     def _step_streamed(self, tier: DiskTier) -> None:
         """One unit at a time: the next unit's files are read ahead while this one steps,
-        and each unit's pages are written back and dropped once it has stepped."""
+        and each unit's pages are written back and dropped once it has stepped. Units are
+        independent (the clipping coefficient is known), so the order is free: the units
+        whose gradient backward left in memory go first, before anything pushes them out
+        (the bits do not depend on it)."""
         def read_ahead(unit: Unit) -> None:
             grad = unit.master_grad
             tier.prefetch([grad])
             tier.prefetch([t for t in self._step_tensors(unit) if t is not grad], write=True)
 
-        if self.units:
-            read_ahead(self.units[0])
-        for k, unit in enumerate(self.units):
-            if k + 1 < len(self.units):
-                read_ahead(self.units[k + 1])
+        kept = {u.index for u in self.units if tier.resident([u.master_grad])}
+        order = sorted(self.units, key=lambda u: u.index not in kept)
+        if order:
+            read_ahead(order[0])
+        for k, unit in enumerate(order):
+            if k + 1 < len(order):
+                read_ahead(order[k + 1])
             tier.ready(self._step_tensors(unit))  # read ahead: written below
             grad = unit.scaled_grad()
             for part in self.parts:
@@ -314,7 +329,9 @@ class ShardedOptimizer:
                 part.step(unit, grad)
                 part.adopt_states(unit, tier)
             unit.drop_scaled(grad)
-            tier.release([unit.master_grad], dirty=False)  # read, not written
+            # Read, not written. A kept gradient was never written: it stays kept, unwritten,
+            # for zero_grad() to clear (or for the tier to write if pushed out).
+            tier.release([unit.master_grad], dirty=False, keep=unit.index in kept)
             tier.release([t for t in self._step_tensors(unit) if t is not unit.master_grad],
                          dirty=True)
 
