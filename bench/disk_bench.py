@@ -76,7 +76,9 @@ def _io() -> tuple[int, int]:
     return int(fields["read_bytes"]), int(fields["write_bytes"])
 
 
-def train(tier: str, steps: int, offload_dir: str | None, layers: int, width: int) -> dict:
+def train(tier: str, args: argparse.Namespace) -> dict:
+    """One side's run: ``args`` as main() parses them (steps, layers, width, seq, offload
+    dir, activation checkpointing and where the checkpointed inputs rest)."""
     import torch
     import torch.distributed as dist
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -86,22 +88,27 @@ def train(tier: str, steps: int, offload_dir: str | None, layers: int, width: in
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     dist.init_process_group("gloo", rank=0, world_size=1)
-    config = GPT2Config(n_layer=layers, n_embd=width, n_head=REGIME["n_head"],
-                        vocab_size=REGIME["vocab"], n_positions=REGIME["seq"], resid_pdrop=0.0,
+    config = GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=REGIME["n_head"],
+                        vocab_size=REGIME["vocab"], n_positions=args.seq, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
     torch.manual_seed(1234)
     with torch.device("meta"):  # initialised unit by unit, by transformers' own init
         model = GPT2LMHeadModel(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95),
                                   weight_decay=0.1, eps=1e-8)
+    disk = tier == "disk" or args.offload_activations == "disk"
     zero = zs.ZeroConfig(stage=3, offload_optimizer=tier, offload_params=tier,
-                         offload_dir=offload_dir if tier == "disk" else None)
+                         offload_dir=args.offload_dir if disk else None,
+                         activation_checkpointing=args.checkpointing,
+                         offload_activations=args.offload_activations or False)
+    predicted = zs.estimate_activations(config, batch_size=1, seq_len=args.seq,
+                                        checkpointing=args.checkpointing).as_dict()
     baseline = _resident()  # torch, transformers and the empty (meta) model
     built = time.perf_counter()
     engine = zs.ZeroEngine(model, optimizer, zero, param_init_fn=model._init_weights)
     build_s = time.perf_counter() - built
     g = torch.Generator().manual_seed(7)
-    batches = torch.randint(0, REGIME["vocab"], (steps, 1, REGIME["seq"]), generator=g)
+    batches = torch.randint(0, REGIME["vocab"], (args.steps, 1, args.seq), generator=g)
     losses, times, reads, writes, tier_io = [], [], [], [], []
     sampler = _Peak()
     for batch in batches:
@@ -128,7 +135,7 @@ def train(tier: str, steps: int, offload_dir: str | None, layers: int, width: in
             "losses": losses, "step_s": times, "read_bytes": reads, "write_bytes": writes,
             "tier_read_written_reused": tier_io,
             "build_s": build_s, "baseline_resident": baseline, "peak_resident": peak,
-            "memory_report": report}
+            "memory_report": report, "predicted_activations": predicted}
 
 
 def _tier_io(engine: object) -> tuple[int, int, int]:
@@ -164,9 +171,14 @@ def bandwidth(directory: str, nbytes: int = 1 << 30, chunk: int = 16 << 20) -> d
 def _child(tier: str, args: argparse.Namespace) -> dict:
     out = Path(tempfile.mkdtemp()) / f"{tier}.json"
     cmd = [sys.executable, __file__, "--tier", tier, "--steps", str(args.steps),
-           "--layers", str(args.layers), "--width", str(args.width), "--json", str(out)]
+           "--layers", str(args.layers), "--width", str(args.width), "--seq", str(args.seq),
+           "--json", str(out)]
     if args.offload_dir:
         cmd += ["--offload-dir", args.offload_dir]
+    if args.checkpointing:
+        cmd += ["--checkpointing"]
+    if args.offload_activations:
+        cmd += ["--offload-activations", args.offload_activations]
     subprocess.run(cmd, check=True)
     return json.loads(out.read_text())
 
@@ -202,10 +214,15 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=REGIME["n_embd"], help="n_embd")
     parser.add_argument("--tier", choices=["cpu", "disk"], default=None,
                         help="run one side only, in this process")
+    parser.add_argument("--seq", type=int, default=REGIME["seq"], help="tokens per sequence")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="ZeroConfig(activation_checkpointing=True): each layer recomputed")
+    parser.add_argument("--offload-activations", choices=["cpu", "disk"], default=None,
+                        help="where the checkpointed layers' inputs rest (with --checkpointing)")
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args()
     if args.tier is not None:
-        result = train(args.tier, args.steps, args.offload_dir, args.layers, args.width)
+        result = train(args.tier, args)
     else:
         cpu, disk = _child("cpu", args), _child("disk", args)
         bw = bandwidth(args.offload_dir or tempfile.gettempdir())

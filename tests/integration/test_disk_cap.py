@@ -3,17 +3,20 @@ about 2.7 GB of fp32 model states with AdamW) trains at N=1, stage 3, both tiers
 inside a 1 GiB memory cgroup, with the losses of the same run on "cpu" offload bit for bit.
 
 Needs root and cgroup v1's memory controller (the test creates and removes the group);
-skipped with the reason otherwise. About 80 s: two 2-step runs of a 168 M model.
+skipped with the reason otherwise. About 80 s: two 2-step runs of a 168 M model; then 36
+layers, killed by the cap as they are and trained with activation checkpointing (2.5 min).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -75,3 +78,34 @@ def test_disk_tier_trains_168m_in_one_gib(tmp_path: Path) -> None:
     assert 0 < added <= predicted + (128 << 20)
     assert predicted + disk["baseline_resident"] < CAP
     assert not (tmp_path / "offload" / "rank0").exists(), "close() removes the tier's files"
+
+
+def test_checkpointing_trains_what_activations_kill_in_one_gib(tmp_path: Path) -> None:
+    """36 layers of the same GPT (470 M parameters) in the same 1 GiB: as it is, the
+    activations growing with depth push the process over the cap in its first step (the
+    kernel's OOM kill); with ``activation_checkpointing=True, offload_activations="disk"`` it
+    trains, keeping a few MiB of activations, exactly what the formula predicts. About 2.5
+    minutes (tests/integration is the slow tier)."""
+    _memory_cgroup().rmdir()  # skips without root or cgroup v1, before any work
+    from bench.activation_cap import run_capped
+
+    args = SimpleNamespace(cap_gib=1.0, steps=2, seq=32, offload_dir=str(tmp_path / "ssd"))
+    plain = run_capped(36, False, args)
+    assert not plain["trained"] and plain["oom_kills"] > 0, plain
+    checkpointed = run_capped(36, True, args)
+    assert checkpointed["trained"] and checkpointed["oom_kills"] == 0, checkpointed
+    assert checkpointed["params"] > 450_000_000
+    assert all(math.isfinite(x) for x in checkpointed["losses"])
+    predicted = checkpointed["predicted_activations"]
+    # The engine's count of what the first forward kept, on the device and on disk, against
+    # the formula's (docs/activations.md; the issue asks for 20 %): both count the same
+    # storages, but a tensor a layer keeps that the embedding keeps too (the 32 position
+    # ids, 256 bytes) is on the device and, copied, on disk: counted twice here, once there.
+    kept = checkpointed["activation_bytes"] + checkpointed["offloaded_activation_bytes"]
+    assert abs(kept - predicted["saved_bytes"]) <= 0.01 * predicted["saved_bytes"]
+    # Anonymous memory grew by no more than the model-state window estimate_memory predicts
+    # plus backward's activation peak (one layer recomputed) and 64 MiB for autograd's and
+    # the allocator's temporaries, which neither formula counts.
+    assert checkpointed["added_resident"] <= (checkpointed["predicted_window"]
+                                              + predicted["peak_bytes"] + (64 << 20))
+    assert not [p for p in (tmp_path / "ssd").iterdir() if p.is_dir()], "files left behind"

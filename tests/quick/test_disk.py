@@ -308,3 +308,28 @@ def test_pinned_staging_ring_carries_any_size_within_its_bound() -> None:
     event.synchronize()
     assert torch.equal(device_b, b.to(torch.bfloat16).float())
     assert len(pinned) == SLOTS and ring.chunks == 10 + 10 + 10 + 5
+
+
+def test_the_heap_goes_back_to_the_kernel_every_few_releases(tmp_path, monkeypatch) -> None:
+    """Freed small tensors (a layer's activations at short sequences) stay in glibc's heap
+    until trimmed: the tier trims every ``TRIM_EVERY`` releases, so the free heap cannot grow
+    with depth (measured: 0.4-0.9 GiB at 96 layers without)."""
+    import torch
+
+    from zero_strategy.offload import disk
+
+    calls: list[int] = []
+    monkeypatch.setattr(disk, "trim_heap", lambda: calls.append(1))
+    tier = disk.DiskTier(str(tmp_path), 0)
+    try:
+        tensors = [tier.empty(1024, torch.float32, f"t{k}") for k in range(3 * disk.TRIM_EVERY)]
+        for t in tensors:
+            tier.prefetch([t], write=True)
+            tier.ready([t])
+            t.fill_(1.0)
+            tier.release([t], dirty=True)
+        assert len(calls) == 3
+        tier.drain()
+        assert all(bool((t == 1.0).all()) for t in tensors)
+    finally:
+        tier.close()

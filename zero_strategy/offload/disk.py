@@ -118,6 +118,23 @@ def _large_frees_back_to_kernel() -> None:
         mallopt(_M_MMAP_THRESHOLD, LARGE_ALLOCATION)
 
 
+TRIM_EVERY = 4
+"""Releases between two returns of the heap's free memory to the kernel (``trim_heap``)."""
+
+
+def trim_heap() -> None:
+    """Give the heap's free pages back to the kernel (``malloc_trim``). The tensors under the
+    mapping threshold (a layer's activations and their gradients at short sequences,
+    autograd's temporaries) come from the heap, and glibc keeps what they free wherever a
+    live allocation sits above it: measured on a 96-layer GPT-2 at 32 tokens, 0.4-0.9 GiB
+    of free heap after construction and in backward, growing with depth, which pushed a
+    checkpointed model over a 1 GiB cgroup. Returned every few unit releases (about a
+    millisecond each), the growth of backward stayed at 0.5 GiB."""
+    trim = getattr(_libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
 class DiskFullError(OSError):
     """The offload directory lacks the space the disk tier needs (names both numbers)."""
 
@@ -222,6 +239,7 @@ class DiskTier:
         """Bytes written to the files with direct I/O so far (the writer thread's count)."""
         self.reused_bytes = 0
         """Bytes of kept files a read-ahead found in memory: reads the keeping saved."""
+        self._releases = 0
         self.closed = False
 
     # ------------------------------------------------------------------ ownership
@@ -428,6 +446,9 @@ class DiskTier:
         if resident:
             self._drop(resident, dirty)
         self._bound_writes()
+        self._releases += 1
+        if self._releases % TRIM_EVERY == 0:
+            trim_heap()
 
     def _bound_writes(self) -> None:
         """Compute may not run further ahead of the disk than a unit or two: memory waiting
