@@ -256,7 +256,8 @@ class _Saved:
             self._written = store.write(functools.partial(_write, self._fd, host, copy))
             weakref.finalize(self, _close_file, self._written, self._fd)
         else:
-            self._host, self._copy = host, copy
+            # the copy up runs on the same side stream after the copy down: no wait here
+            self._host = host
 
     def fetch(self) -> None:
         """Start bringing the input back (a read from disk, a copy to the device)."""
@@ -391,12 +392,12 @@ class Activations:
     def install(self, transfers: Transfers) -> None:
         self.inputs = SavedInputs(self._tier, self._device, transfers, self._directory,
                                   self._rank)
-        for module in self.modules:
-            self._install(module)
-        if any(isinstance(m, _checkpointing_layer_class() or ()) for m in self.modules):
+        through_transformers = [self._install(module) for module in self.modules]
+        if any(through_transformers):
             self._cache_off(self.model)
 
-    def _install(self, module: nn.Module) -> None:
+    def _install(self, module: nn.Module) -> bool:
+        """Checkpoint ``module``; True when through transformers' own switch."""
         base = _checkpointing_layer_class()
         if base is not None and isinstance(module, base):
             if module.gradient_checkpointing:
@@ -408,10 +409,11 @@ class Activations:
             module.gradient_checkpointing = True
             module._gradient_checkpointing_func = self.checkpoint
             self._restore.append(functools.partial(_undo_transformers, module))
-            return
+            return True
         original = module.forward  # the class's, bound
         module.forward = functools.partial(self._checkpointed, original)
         self._restore.append(functools.partial(_undo_forward, module))
+        return False
 
     def _cache_off(self, model: nn.Module) -> None:
         """transformers' models pass their layers no KV cache while training with
