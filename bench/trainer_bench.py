@@ -259,7 +259,7 @@ def load_model(system: str, folder: Path) -> Any:
 def streamed_model(folder: Path) -> Any:
     """GPT-2 on the meta device, registered so that the engine reads each rank's shards of
     ``folder`` when it is built: ``zero_strategy.transformers.from_pretrained``, else the
-    module that defines it (``zero_strategy/integrations/pretrained.py``) while it is not
+    module that defines it (``zero_strategy/integrations/hf/pretrained.py``) while it is not
     exported yet. Called as ``from_pretrained(model_class, path, **kwargs)``."""
     from transformers import GPT2LMHeadModel
 
@@ -268,7 +268,7 @@ def streamed_model(folder: Path) -> Any:
     loader = getattr(zt, "from_pretrained", None)
     if loader is None:
         try:
-            from zero_strategy.integrations.pretrained import from_pretrained as loader
+            from zero_strategy.integrations.hf.pretrained import from_pretrained as loader
         except ImportError as e:
             raise RuntimeError(f"{STREAMED_MISSING} ({e})") from e
     return loader(GPT2LMHeadModel, folder, attn_implementation="sdpa").train()

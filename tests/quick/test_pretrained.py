@@ -1,5 +1,5 @@
 """Pretrained Hugging Face weights streamed straight into the shards (no rank holds the whole
-model): ``zero_strategy.integrations.pretrained.from_pretrained`` + ``ZeroEngine`` against
+model): ``zero_strategy.integrations.hf.pretrained.from_pretrained`` + ``ZeroEngine`` against
 ``Model.from_pretrained`` + ``ZeroEngine``, and ``engine.load_pretrained``.
 
 Distributed parity, training, refusals and memory run in tests/worlds/scenarios_pretrained.py
@@ -34,7 +34,7 @@ from zero_strategy.checkpoint.pretrained import (
 from zero_strategy.checkpoint.write import CheckpointError
 
 transformers = pytest.importorskip("transformers")
-from zero_strategy.integrations.pretrained import (  # noqa: E402
+from zero_strategy.integrations.hf.pretrained import (  # noqa: E402
     from_pretrained,
     key_map_for,
     loading_info,

@@ -107,7 +107,7 @@ def test_cpu_processes_without_use_cpu_are_refused(tmp_path: Path,
     from zero_strategy.transformers import ZeroPlugin, ZeroTrainer
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr("zero_strategy.integrations.transformers.has_accelerator_device",
+    monkeypatch.setattr("zero_strategy.integrations.hf.trainer.has_accelerator_device",
                         lambda: False)
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[])
     with pytest.raises(ValueError, match=r"use_cpu=True"):

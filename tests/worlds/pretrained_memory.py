@@ -1,5 +1,5 @@
 """Peak host memory of building a stage-3 engine from pretrained weights: streamed into the
-shards (``zero_strategy.integrations.pretrained.from_pretrained``) against
+shards (``zero_strategy.integrations.hf.pretrained.from_pretrained``) against
 ``Model.from_pretrained`` then the engine, for tests/quick/test_pretrained.py (run in fresh
 interpreters by tests/support/harness.py, ``MALLOC_MMAP_THRESHOLD_`` set so that freed tensors
 go back to the system and the high-water mark of each build is its own).
@@ -66,7 +66,7 @@ def _shard_sum(engine: zs.ZeroEngine) -> float:
 def peak_rss() -> dict[str, Any]:
     from transformers import GPT2LMHeadModel
 
-    from zero_strategy.integrations.pretrained import from_pretrained
+    from zero_strategy.integrations.hf.pretrained import from_pretrained
 
     path = _folder()
     config = zs.ZeroConfig(stage=3)

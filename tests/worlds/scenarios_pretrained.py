@@ -2,7 +2,7 @@
 for tests/quick/test_pretrained.py (run by tests/support/harness.py at N=2 and N=3).
 
 Each parity scenario builds the same folder twice, with transformers' ``from_pretrained`` and
-with ``zero_strategy.integrations.pretrained.from_pretrained``, wraps both in an engine of the
+with ``zero_strategy.integrations.hf.pretrained.from_pretrained``, wraps both in an engine of the
 same config and compares everything: the consolidated state dict (bit for bit: both are the
 same bytes read from the same file and cast by the same ops, so no tolerance), every buffer
 (the non-persistent ones included, which no file holds), the missing and unexpected keys.
@@ -97,7 +97,7 @@ def parity(folder: str, cls: str, stage: int, precision: str = "32-true",
     import transformers as tf
 
     from zero_strategy.checkpoint.pretrained import spec_of
-    from zero_strategy.integrations.pretrained import from_pretrained
+    from zero_strategy.integrations.hf.pretrained import from_pretrained
 
     path, model_class = folders()[folder], getattr(tf, cls)
     torch.manual_seed(1)  # missing weights are drawn: the same generator state for both
@@ -161,7 +161,7 @@ def llama_buffers_as_eager() -> dict[str, Any]:
     """Rotary ``inv_freq`` is in no file: it gets what the eager constructor computes."""
     import transformers as tf
 
-    from zero_strategy.integrations.pretrained import from_pretrained
+    from zero_strategy.integrations.hf.pretrained import from_pretrained
 
     path = folders()["llama"]
     eager = tf.LlamaForCausalLM(tf.LlamaConfig.from_pretrained(path))
@@ -175,7 +175,7 @@ def training(stage: int, precision: str) -> dict[str, Any]:
     """A few AdamW steps from the streamed model and from from_pretrained + engine."""
     from transformers import GPT2LMHeadModel
 
-    from zero_strategy.integrations.pretrained import from_pretrained
+    from zero_strategy.integrations.hf.pretrained import from_pretrained
 
     path = folders()["gpt2"]
     gen = torch.Generator().manual_seed(2 + dist.get_rank())
@@ -206,7 +206,7 @@ def inside_a_wrapper_built_in_meta_init() -> dict[str, Any]:
     model built inside the strategy's ``meta_init`` (nested), held by another module."""
     from transformers import GPT2LMHeadModel
 
-    from zero_strategy.integrations.pretrained import from_pretrained
+    from zero_strategy.integrations.hf.pretrained import from_pretrained
 
     path = folders()["gpt2"]
 
@@ -265,7 +265,7 @@ def _back_after_training(path: str) -> list[Any]:
     again without a key map (the one it was built with: the prefix is added)."""
     from transformers import GPT2LMHeadModel
 
-    from zero_strategy.integrations.pretrained import from_pretrained
+    from zero_strategy.integrations.hf.pretrained import from_pretrained
 
     engine = _engine(from_pretrained(GPT2LMHeadModel, path).train(), _config(3))
     ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -279,7 +279,7 @@ def _back_after_training(path: str) -> list[Any]:
 
 
 def _key_map(model: nn.Module) -> Any:
-    from zero_strategy.integrations.pretrained import key_map_for
+    from zero_strategy.integrations.hf.pretrained import key_map_for
 
     return key_map_for(model)
 

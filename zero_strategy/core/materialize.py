@@ -82,7 +82,7 @@ def default_init(module: nn.Module) -> None:
 
 # Modules whose initialisation the code that built them defines, consulted before the engine's
 # (or meta_init's) init function: a model built from pretrained weights initialises only what
-# its folder lacks (integrations/pretrained.py). Weak keys: a discarded model takes its entries.
+# its folder lacks (integrations/hf/pretrained.py). Weak keys: a discarded model takes its entries.
 _OWN_INIT: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 

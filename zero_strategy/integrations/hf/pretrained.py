@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoint.pretrained import (
+from ...checkpoint.pretrained import (
     KeyMap,
     PretrainedFolder,
     PretrainedSpec,
@@ -39,10 +39,10 @@ from ..checkpoint.pretrained import (
     spec_of,
     warn_keys,
 )
-from ..checkpoint.write import CheckpointError
-from ..comm.collectives import default_device, group_backend
-from ..core.materialize import meta_init, set_module_init
-from . import require
+from ...checkpoint.write import CheckpointError
+from ...comm.collectives import default_device, group_backend
+from ...core.materialize import meta_init, set_module_init
+from .. import require
 
 _HUB = "downloading from the Hub: pass a local folder (huggingface_hub.snapshot_download)"
 _DISPATCH = ("device_map dispatch: the engine places every shard (build a ZeroEngine, or use "
@@ -88,7 +88,7 @@ def from_pretrained(model_class: type[nn.Module], path: str | os.PathLike, *mode
     overrides, and refuses by name what it cannot honour (quantization, device_map, Hub
     downloads, ...). Everything in the folder is checked now; the model is in eval mode.
     """
-    require("transformers", "zero_strategy.integrations.pretrained.from_pretrained")
+    require("transformers", "zero_strategy.integrations.hf.pretrained.from_pretrained")
     _refuse(kwargs)
     with_info = kwargs.pop("output_loading_info", False)
     folder = PretrainedFolder(path)
@@ -117,7 +117,7 @@ def loading_info(model: nn.Module) -> dict[str, Any]:
     spec = spec_of(model)
     if spec is None:
         raise ValueError(f"this {type(model).__name__} was not built by "
-                         "zero_strategy.integrations.pretrained.from_pretrained")
+                         "zero_strategy.integrations.hf.pretrained.from_pretrained")
     return spec.info
 
 

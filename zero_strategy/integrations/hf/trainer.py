@@ -37,9 +37,9 @@ import transformers.trainer as trainer_module
 from torch import nn
 from transformers import Trainer
 
-from ..checkpoint.verify import member
-from ..comm import collectives
-from .accelerate import (
+from ...checkpoint.verify import member
+from ...comm import collectives
+from ..accelerate import (
     CHECKPOINT_SUBDIR,
     COMPATIBLE_PRECISIONS,
     ZeroAccelerator,
