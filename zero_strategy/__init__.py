@@ -14,6 +14,7 @@ from .config import LossScaleConfig, ZeroConfig
 from .core.materialize import meta_init
 from .core.runtime import GatherOrderError
 from .engine import ZeroEngine
+from .integrations.hf import activations as _hf_activations
 from .integrations.registration import register_if_lightning_imported, register_strategies
 from .memory import MemoryEstimate, estimate_memory
 from .optim.combined import CombinedOptimizer
@@ -22,6 +23,9 @@ from .optim.combined import CombinedOptimizer
 # zero1 ... zero3_offload are registered for Trainer and Fabric now; otherwise by importing
 # zero_strategy.lightning / .fabric or calling register_strategies() (registration.py).
 register_if_lightning_imported()
+# transformers' layers checkpoint through their own switch; the core learns of them here, for
+# every user, without importing transformers (integrations/hf/activations.py).
+_hf_activations.register()
 
 __all__ = [
     "ActivationEstimate", "BlockActivations", "CheckpointError", "CombinedOptimizer",

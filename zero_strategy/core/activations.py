@@ -10,9 +10,10 @@ here around each checkpoint see exactly those inputs and nothing else: they are 
 backward (recomputation runs modules in reverse order of their forward, so while one module
 recomputes, the input of the one before it is on its way).
 
-transformers' layers (``GradientCheckpointingLayer``) are checkpointed through their own
-switch, with this checkpoint function: that switch also turns the KV cache off while
-training, which a recomputed layer would otherwise append to twice. Other modules get an
+A framework's layers that carry their own checkpointing switch (a ``LayerKind`` an
+integration registered, ``layer_kinds.py``: transformers' ``GradientCheckpointingLayer``) are
+checkpointed through it, with this checkpoint function, so the model sees the switch it reads
+for its other decisions (transformers turns the KV cache off). Other modules get an
 instance ``forward`` that checkpoints the class's. Both stay outside the module's hooks, so
 stage 3's gather hooks run once per forward, and the recomputation's gathers are the
 runtime's to plan (``runtime.Runtime`` keeps what a recomputation gathered until its backward).
@@ -43,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import ZeroConfig
 from ..offload.transfers import Copy, Transfers
+from .layer_kinds import LayerKind, kind_of, layer_kinds
 
 PREFETCH_INPUTS = 1
 """Saved inputs brought back beyond the one backward asks for: the next recomputation's,
@@ -54,11 +56,12 @@ def chosen_modules(model: nn.Module, choice: bool | tuple[str, ...]) -> list[nn.
     """The modules ``activation_checkpointing`` names, outermost only; an error naming the
     field and the model's classes when the choice finds none."""
     if choice is True:
-        found = _transformers_layers(model) or _repeated_blocks(model)
+        found = _outermost(model, lambda m: kind_of(m) is not None) or _repeated_blocks(model)
         if not found:
+            kinds = "".join(f"{kind.description} and no " for kind in layer_kinds())
             raise ValueError(
                 "activation_checkpointing=True found no layers to checkpoint: no "
-                "transformers GradientCheckpointingLayer and no nn.ModuleList/Sequential of "
+                f"{kinds}nn.ModuleList/Sequential of "
                 "two or more modules of one class. Name the classes instead, e.g. "
                 f"activation_checkpointing=[...] from {_class_names(model)}")
         return found
@@ -93,22 +96,6 @@ def _outermost(model: nn.Module, wanted: Callable[[nn.Module], bool]) -> list[nn
 
     visit(model)
     return found
-
-
-def _transformers_layers(model: nn.Module) -> list[nn.Module]:
-    base = _checkpointing_layer_class()
-    if base is None:
-        return []
-    return _outermost(model, lambda m: isinstance(m, base))
-
-
-def _checkpointing_layer_class() -> type | None:
-    """transformers' checkpointable layer class, if transformers is in use (never imported
-    here: a model of that class means it is loaded already)."""
-    import sys
-
-    layers = sys.modules.get("transformers.modeling_layers")
-    return getattr(layers, "GradientCheckpointingLayer", None)
 
 
 def _repeated_blocks(model: nn.Module) -> list[nn.Module]:
@@ -392,38 +379,25 @@ class Activations:
     def install(self, transfers: Transfers) -> None:
         self.inputs = SavedInputs(self._tier, self._device, transfers, self._directory,
                                   self._rank)
-        through_transformers = [self._install(module) for module in self.modules]
-        if any(through_transformers):
-            self._cache_off(self.model)
+        switched: list[LayerKind] = []
+        for module in self.modules:
+            kind = self._install(module)
+            if kind is not None and kind not in switched:
+                switched.append(kind)
+        # after every layer: the model-wide switch tells layers apart from the rest by theirs
+        for kind in switched:
+            self._restore.extend(kind.switch_model(self.model))
 
-    def _install(self, module: nn.Module) -> bool:
-        """Checkpoint ``module``; True when through transformers' own switch."""
-        base = _checkpointing_layer_class()
-        if base is not None and isinstance(module, base):
-            if module.gradient_checkpointing:
-                raise ValueError(
-                    f"activation_checkpointing: {type(module).__name__} is checkpointed by "
-                    "transformers already (model.gradient_checkpointing_enable(), or "
-                    "TrainingArguments(gradient_checkpointing=True)); it would be "
-                    "recomputed twice: use one of the two")
-            module.gradient_checkpointing = True
-            module._gradient_checkpointing_func = self.checkpoint
-            self._restore.append(functools.partial(_undo_transformers, module))
-            return True
+    def _install(self, module: nn.Module) -> LayerKind | None:
+        """Checkpoint ``module``; the kind whose own switch did it, if one did."""
+        kind = kind_of(module)
+        if kind is not None:
+            self._restore.append(kind.switch_on(module, self.checkpoint))
+            return kind
         original = module.forward  # the class's, bound
         module.forward = functools.partial(self._checkpointed, original)
         self._restore.append(functools.partial(_undo_forward, module))
-        return False
-
-    def _cache_off(self, model: nn.Module) -> None:
-        """transformers' models pass their layers no KV cache while training with
-        checkpointing on (a recomputed layer would append to it twice): their own switch."""
-        base = _checkpointing_layer_class()
-        for module in model.modules():
-            if (hasattr(module, "gradient_checkpointing") and base is not None
-                    and not isinstance(module, base) and not module.gradient_checkpointing):
-                module.gradient_checkpointing = True
-                self._restore.append(functools.partial(_undo_flag, module))
+        return None
 
     def _checkpointed(self, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -480,15 +454,6 @@ class Activations:
         self._restore = []
         if self.inputs is not None:
             self.inputs.close()
-
-
-def _undo_transformers(module: nn.Module) -> None:
-    module.gradient_checkpointing = False
-    module.__dict__.pop("_gradient_checkpointing_func", None)
-
-
-def _undo_flag(module: nn.Module) -> None:
-    module.gradient_checkpointing = False
 
 
 def _undo_forward(module: nn.Module) -> None:

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-import transformers.trainer as trainer_module
 from torch import nn
 from transformers import Trainer
 
@@ -46,6 +45,7 @@ from ..accelerate import (
     ZeroPlugin,
     has_accelerator_device,
 )
+from . import compat
 
 SCHEDULER_FILE = "scheduler.pt"
 """Trainer's name for the LR scheduler's state inside ``checkpoint-N``."""
@@ -72,11 +72,15 @@ class _TrainerAccelerator(ZeroAccelerator):
     def free_memory(self, *objects: Any) -> Any:
         if objects or self._zero_model is None:
             return super().free_memory(*objects)
-        kept_models = [m for m in self._models if m is self._zero_model]
-        kept_optimizers = [o for o in self._optimizers
+        # Accelerate's private lists of what it prepared, by the names compat.py pins
+        models, optimizers = compat.ACCELERATOR_MODELS.name, compat.ACCELERATOR_OPTIMIZERS.name
+        kept_models = [m for m in getattr(self, models) if m is self._zero_model]
+        kept_optimizers = [o for o in getattr(self, optimizers)
                            if any(o is z for z in self._zero_optimizers)]
-        self._schedulers, self._dataloaders = [], []
-        self._models, self._optimizers = kept_models, kept_optimizers
+        setattr(self, compat.ACCELERATOR_SCHEDULERS.name, [])
+        setattr(self, compat.ACCELERATOR_DATALOADERS.name, [])
+        setattr(self, models, kept_models)
+        setattr(self, optimizers, kept_optimizers)
         return None
 
 
@@ -139,7 +143,7 @@ class ZeroTrainerMixin:
             # transformers reads this to run generate() with synced_gpus (every rank keeps
             # calling forward until all are done) and to keep layer-drop the same on every
             # rank: both are what a model whose forward gathers from all ranks needs.
-            self.model._is_fsdp_managed_module = True
+            setattr(self.model, compat.FSDP_MANAGED.name, True)
 
     # ------------------------------------------------------------------ saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -301,12 +305,14 @@ def _trainer_builds(factory: Any) -> Iterator[None]:
     """``Trainer.create_accelerator_and_postprocess`` builds ``Accelerator(**args)`` by the
     name it imported; for that one call the name means ``factory``, so the rest of Trainer's
     set-up (gradient accumulation plugin, data loader config, flags) stays its own."""
-    original = trainer_module.Accelerator
-    trainer_module.Accelerator = factory
+    name = compat.TRAINER_ACCELERATOR
+    trainer_module = compat.owner_of(name)
+    original = getattr(trainer_module, name.name)
+    setattr(trainer_module, name.name, factory)
     try:
         yield
     finally:
-        trainer_module.Accelerator = original
+        setattr(trainer_module, name.name, original)
 
 
 __all__ = ["ZeroTrainer", "ZeroTrainerMixin", "with_zero"]

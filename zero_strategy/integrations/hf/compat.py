@@ -1,0 +1,192 @@
+"""Every private (or internal, undocumented) name of transformers and Accelerate the adapters
+rely on, with the parameters we call or override it with.
+
+An override of a private method that transformers renames is never called again, and nothing
+fails: the Trainer would save one rank's shard as the model. So each name we rely on is listed
+here, declaratively, and ``tests/quick/test_hf_compat.py`` asserts that each exists in the
+installed versions with a signature we can call (our parameters by name, in our order; any
+others optional); it also fails on a private override, or a private name of theirs used in
+``integrations/hf/``, that is missing from these lists. The adapters read the names they
+swap, set or look up from here, so the list is what the code uses, not a copy of it.
+
+Importing this module imports no framework: names are strings, resolved on demand.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class Function:
+    """A method or function of theirs we override, call, or receive calls of."""
+
+    owner: str
+    """``"package.module"`` (a function) or ``"package.module:Class"`` (a method)."""
+    name: str
+    params: tuple[str, ...] = ()
+    """The parameters we pass positionally (or receive, for an override), in order, without
+    ``self``."""
+    keywords: tuple[str, ...] = ()
+    """The parameters we pass by name."""
+    passes_through: bool = False
+    """An override taking ``*args, **kwargs`` and passing them on: only the name matters."""
+    why: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Attribute:
+    """An attribute of theirs: a module or class attribute (``on_class``), or one their code
+    sets or reads on instances, which is then found in the owner module's source."""
+
+    owner: str
+    name: str
+    on_class: bool = True
+    why: str
+
+
+TRAINER = "transformers.trainer:Trainer"
+ACCELERATOR = "accelerate.accelerator:Accelerator"
+PRETRAINED = "transformers.modeling_utils:PreTrainedModel"
+
+# ---------------------------------------------------------------- transformers.Trainer
+TRAINER_OVERRIDES = (
+    Function(owner=TRAINER, name="_move_model_to_device", params=("model", "device"),
+              why="the engine places the shards; a meta model must not be moved whole"),
+    Function(owner=TRAINER, name="_prepare_for_training",
+              params=("max_steps", "train_dataloader", "resume_from_checkpoint"),
+              why="where the engine exists first: stage 3's synced generate is set there"),
+    Function(owner=TRAINER, name="_save_optimizer_and_scheduler", params=("output_dir",),
+              why="the sharded optimizer goes to zero_checkpoint/"),
+    Function(owner=TRAINER, name="_save_scaler", params=("output_dir",),
+              why="fp16 loss scaling is the engine's"),
+    Function(owner=TRAINER, name="_load_from_checkpoint",
+              params=("resume_from_checkpoint", "model"),
+              why="a checkpoint with a sharded copy is read after prepare, not into the model"),
+    Function(owner=TRAINER, name="_load_optimizer_and_scheduler", params=("checkpoint",),
+              why="the sharded optimizer is read from zero_checkpoint/"),
+    Function(owner=TRAINER, name="_load_scaler", params=("checkpoint",),
+              why="fp16 loss scaling is the engine's"),
+    Function(owner=TRAINER, name="_load_best_model",
+              why="the best checkpoint's exact masters, from its sharded copy"),
+)
+"""Trainer's private methods ``ZeroTrainerMixin`` overrides (every one of them)."""
+
+TRAINER_HOOKS = (
+    Function(owner=TRAINER, name="create_accelerator_and_postprocess",
+              why="builds the accelerator (a ZeroAccelerator, by TRAINER_ACCELERATOR)"),
+    Function(owner=TRAINER, name="create_optimizer", params=("model",),
+              why="stage 3 adds the frozen parameters to the optimizer"),
+    Function(owner=TRAINER, name="save_model", params=("output_dir", "_internal_call"),
+              why="consolidated weights; _internal_call is private"),
+    Function(owner=TRAINER, name="evaluation_loop", passes_through=True,
+              why="a meta model needs the engine before evaluate()/predict()"),
+)
+"""Undocumented public methods of Trainer we override (a private parameter among them)."""
+
+TRAINER_CALLS = (
+    Function(owner=TRAINER, name="_save", params=("output_dir",), keywords=("state_dict",),
+              why="save_pretrained's files from the consolidated state dict"),
+)
+
+TRAINER_ACCELERATOR = Attribute(
+    owner="transformers.trainer", name="Accelerator",
+    why="the name create_accelerator_and_postprocess builds the accelerator by, swapped for "
+        "that one call")
+
+FSDP_MANAGED = Attribute(
+    owner="transformers.distributed.fsdp", name="_is_fsdp_managed_module", on_class=False,
+    why="set on the model at stage 3 with several ranks: generate() then runs synced_gpus")
+
+# ---------------------------------------------------------------- accelerate.Accelerator
+ACCELERATOR_MODELS = Attribute(owner=ACCELERATOR, name="_models", on_class=False,
+                               why="prepared models; free_memory keeps the engine's")
+ACCELERATOR_OPTIMIZERS = Attribute(owner=ACCELERATOR, name="_optimizers", on_class=False,
+                                   why="prepared optimizers; free_memory keeps the engine's")
+ACCELERATOR_SCHEDULERS = Attribute(owner=ACCELERATOR, name="_schedulers", on_class=False,
+                                   why="emptied by free_memory, as Accelerate's own does")
+ACCELERATOR_DATALOADERS = Attribute(owner=ACCELERATOR, name="_dataloaders", on_class=False,
+                                    why="emptied by free_memory, as Accelerate's own does")
+
+ACCELERATE_ADAPTER = (
+    Attribute(owner=ACCELERATOR, name="_custom_objects", on_class=False,
+              why="integrations/accelerate: counts the custom states of a checkpoint"),
+    Attribute(owner=ACCELERATOR, name="_is_accelerate_prepared", on_class=False,
+              why="integrations/accelerate: flags the engine's wrappers as prepared"),
+    Attribute(owner="accelerate.optimizer:AcceleratedOptimizer", name="_is_overflow",
+              on_class=False, why="integrations/accelerate: a skipped fp16 step"),
+)
+"""Accelerate's private names ``integrations/accelerate`` relies on (pinned here, written
+there)."""
+
+# ---------------------------------------------------------------- activation checkpointing
+CHECKPOINTING_LAYER = Attribute(
+    owner="transformers.modeling_layers", name="GradientCheckpointingLayer",
+    why="transformers' checkpointable layers, switched by the engine's activation policy")
+CHECKPOINTING_FUNCTION = Attribute(
+    owner="transformers.modeling_layers", name="_gradient_checkpointing_func", on_class=False,
+    why="the checkpoint function a switched-on layer runs its forward with")
+
+# ---------------------------------------------------------------- from_pretrained
+PRETRAINED_NAMES = (
+    Function(owner=PRETRAINED, name="_get_dtype_plan", params=("dtype",),
+              why="modules kept in float32, which streaming refuses"),
+    Function(owner=PRETRAINED, name="_init_weights", params=("module",),
+              why="initialises what the folder lacks"),
+    Attribute(owner=PRETRAINED, name="_keys_to_ignore_on_load_missing",
+              why="keys the key map never reports missing"),
+    Attribute(owner=PRETRAINED, name="_keys_to_ignore_on_load_unexpected",
+              why="keys the key map never reports unexpected"),
+    Attribute(owner="transformers.configuration_utils:PretrainedConfig",
+              name="_attn_implementation", why="attn_implementation= set on the config"),
+    Attribute(owner="transformers.configuration_utils:PretrainedConfig",
+              name="_experts_implementation", why="experts_implementation= set on the config"),
+    Attribute(owner="transformers.initialization", name="_is_hf_initialized", on_class=False,
+              why="flags the tensors the folder holds, which guarded inits skip"),
+    Function(owner="transformers.initialization", name="guard_torch_init_functions",
+              why="makes torch's init functions honour _is_hf_initialized"),
+    Function(owner="transformers.conversion_mapping", name="get_model_conversion_mapping",
+              params=("model", "key_mapping", "hf_quantizer"),
+              why="the model's legacy key renamings and weight converters"),
+    Function(owner="transformers.core_model_loading", name="rename_source_key",
+              params=("source_key", "weight_renamings", "weight_converters"),
+              why="renames a folder key as transformers' loader does"),
+    Attribute(owner="transformers.core_model_loading", name="WeightRenaming",
+              why="a renaming among the conversion mapping's transforms"),
+    Attribute(owner="transformers.core_model_loading", name="WeightConverter",
+              why="a converter (tensors merged or split), which streaming refuses"),
+    Function(owner="transformers.generation.utils:GenerationMixin",
+              name="adjust_generation_fn",
+              params=("generation_config", "from_auto_class", "from_pipeline",
+                      "pretrained_model_name_or_path"),
+              keywords=("cache_dir", "force_download", "proxies", "local_files_only", "token",
+                        "revision", "subfolder", "trust_remote_code"),
+              why="reads the folder's generation_config.json as from_pretrained does"),
+)
+
+ALL: tuple[Function | Attribute, ...] = (
+    *TRAINER_OVERRIDES, *TRAINER_HOOKS, *TRAINER_CALLS, TRAINER_ACCELERATOR, FSDP_MANAGED,
+    ACCELERATOR_MODELS, ACCELERATOR_OPTIMIZERS, ACCELERATOR_SCHEDULERS,
+    ACCELERATOR_DATALOADERS, *ACCELERATE_ADAPTER, CHECKPOINTING_LAYER, CHECKPOINTING_FUNCTION,
+    *PRETRAINED_NAMES,
+)
+"""Every name above, for the test."""
+
+
+def owner_of(entry: Function | Attribute) -> Any:
+    """The module or class ``entry`` belongs to, importing its module."""
+    module_name, _, class_name = entry.owner.partition(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, class_name) if class_name else module
+
+
+def loaded(entry: Attribute) -> Any:
+    """``entry``'s value if its module is loaded already, else None (never imports it)."""
+    module_name, _, class_name = entry.owner.partition(":")
+    owner = sys.modules.get(module_name)
+    if owner is not None and class_name:
+        owner = getattr(owner, class_name, None)
+    return getattr(owner, entry.name, None)
