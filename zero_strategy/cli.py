@@ -76,19 +76,14 @@ def _load_model_config(path: str) -> tuple[Any, int]:
     from . import integrations
 
     integrations.require("transformers", "--model-config")
-    import transformers
-    from transformers import AutoConfig
-    from transformers.utils import logging as hf_logging
+    from .integrations.hf.model_config import count_parameters, load_config
 
-    hf_logging.set_verbosity_error()  # a config's token ids outside a small vocabulary
-    config = AutoConfig.from_pretrained(path)
+    config = load_config(path)
     name = FAMILIES.get(getattr(config, "model_type", ""))
     if name is None:
         raise ValueError(f"--model-config: model_type {config.model_type!r}; the activation "
                          f"formula covers {', '.join(sorted(FAMILIES))}")
-    with torch.device("meta"):
-        model = getattr(transformers, name)(config)
-    return config, sum(p.numel() for p in model.parameters())
+    return config, count_parameters(config, name)
 
 
 def _print_activations(args: argparse.Namespace, config: Any) -> None:
