@@ -92,6 +92,15 @@ def test_each_callable_takes_what_we_pass(entry: compat.Function) -> None:
         "pass on")
 
 
+@pytest.mark.parametrize("entry", [*compat.TRAINER_OVERRIDES, *compat.TRAINER_HOOKS], ids=_id)
+def test_trainer_still_calls_each_override(entry: compat.Function) -> None:
+    """A method kept but no longer called is a rename too: our override would be skipped."""
+    source = _source_of(_resolve(entry))
+    assert re.search(rf"\bself\.{re.escape(entry.name)}\(", source), (
+        f"{entry.owner} no longer calls self.{entry.name}(...): our override would never "
+        f"run ({entry.why})")
+
+
 def _framework_classes(cls: type) -> list[type]:
     return [c for c in cls.__mro__[1:]
             if c.__module__.split(".")[0] in ("transformers", "accelerate")]

@@ -131,21 +131,24 @@ CHECKPOINTING_FUNCTION = Attribute(
     why="the checkpoint function a switched-on layer runs its forward with")
 
 # ---------------------------------------------------------------- from_pretrained
+DTYPE_PLAN = Function(owner=PRETRAINED, name="_get_dtype_plan", params=("dtype",),
+                      why="modules kept in float32, which streaming refuses")
+IGNORE_MISSING = Attribute(owner=PRETRAINED, name="_keys_to_ignore_on_load_missing",
+                           why="keys the key map never reports missing")
+IGNORE_UNEXPECTED = Attribute(owner=PRETRAINED, name="_keys_to_ignore_on_load_unexpected",
+                              why="keys the key map never reports unexpected")
+HF_INITIALIZED = Attribute(owner="transformers.initialization", name="_is_hf_initialized",
+                           on_class=False,
+                           why="flags the tensors the folder holds, which guarded inits skip")
+
 PRETRAINED_NAMES = (
-    Function(owner=PRETRAINED, name="_get_dtype_plan", params=("dtype",),
-              why="modules kept in float32, which streaming refuses"),
+    DTYPE_PLAN, IGNORE_MISSING, IGNORE_UNEXPECTED, HF_INITIALIZED,
     Function(owner=PRETRAINED, name="_init_weights", params=("module",),
-              why="initialises what the folder lacks"),
-    Attribute(owner=PRETRAINED, name="_keys_to_ignore_on_load_missing",
-              why="keys the key map never reports missing"),
-    Attribute(owner=PRETRAINED, name="_keys_to_ignore_on_load_unexpected",
-              why="keys the key map never reports unexpected"),
+             why="initialises what the folder lacks"),
     Attribute(owner="transformers.configuration_utils:PretrainedConfig",
               name="_attn_implementation", why="attn_implementation= set on the config"),
     Attribute(owner="transformers.configuration_utils:PretrainedConfig",
               name="_experts_implementation", why="experts_implementation= set on the config"),
-    Attribute(owner="transformers.initialization", name="_is_hf_initialized", on_class=False,
-              why="flags the tensors the folder holds, which guarded inits skip"),
     Function(owner="transformers.initialization", name="guard_torch_init_functions",
               why="makes torch's init functions honour _is_hf_initialized"),
     Function(owner="transformers.conversion_mapping", name="get_model_conversion_mapping",

@@ -43,6 +43,7 @@ from ...checkpoint.write import CheckpointError
 from ...comm.collectives import default_device, group_backend
 from ...core.materialize import meta_init, set_module_init
 from .. import require
+from . import compat
 
 _HUB = "downloading from the Hub: pass a local folder (huggingface_hub.snapshot_download)"
 _DISPATCH = ("device_map dispatch: the engine places every shard (build a ZeroEngine, or use "
@@ -201,7 +202,8 @@ def _build(model_class: type[nn.Module], config: Any, dtype: torch.dtype,
     in a strategy's ``configure_model``, before the strategy's does)."""
     with _default_dtype(dtype), meta_init(_materialising_device()):
         model = model_class(config, *model_args, **model_kwargs)
-        plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+        dtype_plan = getattr(model, compat.DTYPE_PLAN.name, None)
+        plan = dtype_plan(dtype) if dtype_plan is not None else {}
         if plan:
             raise ValueError(f"from_pretrained: {type(model).__name__} keeps {sorted(plan)} in "
                              f"float32 under {dtype} (_keep_in_fp32_modules), which is not "
@@ -224,7 +226,7 @@ def key_map_for(model: nn.Module, path: Path | None = None) -> KeyMap:
     legacy renamings, its keys never reported (and, as transformers adds, stale rotary
     ``inv_freq`` and ``position_ids`` buffers). For ``engine.load_pretrained(key_map=...)``."""
     buffers = [n for n, _ in model.named_buffers()]
-    ignored = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    ignored = set(getattr(model, compat.IGNORE_UNEXPECTED.name, None) or ())
     if any(n.endswith("rotary_emb.inv_freq") for n in buffers):
         ignored.add(r"rotary_emb\.inv_freq")
     if any(n.endswith("position_ids") for n in buffers):
@@ -232,7 +234,7 @@ def key_map_for(model: nn.Module, path: Path | None = None) -> KeyMap:
     return KeyMap(
         prefix=getattr(model, "base_model_prefix", "") or "",
         rename=_renamer(model, path),
-        ignore_missing=tuple(sorted(getattr(model, "_keys_to_ignore_on_load_missing", None)
+        ignore_missing=tuple(sorted(getattr(model, compat.IGNORE_MISSING.name, None)
                                     or ())),
         ignore_unexpected=tuple(sorted(ignored)))
 
@@ -303,16 +305,16 @@ class _InitMissing:
                                                          *module._buffers)}
         if self.custom and all(k in self.covered for k, _ in tensors if k in own):
             return  # transformers skips such modules of remote code (its writes are unguarded)
-        flagged = [t for k, t in tensors
-                   if k in self.covered and not getattr(t, "_is_hf_initialized", False)]
+        flag = compat.HF_INITIALIZED.name
+        flagged = [t for k, t in tensors if k in self.covered and not getattr(t, flag, False)]
         for t in flagged:
-            t._is_hf_initialized = True
+            setattr(t, flag, True)
         try:
             with guard_torch_init_functions():
                 model.get_submodule(self.owners[id(module)])._init_weights(module)
         finally:
             for t in flagged:
-                del t._is_hf_initialized
+                delattr(t, flag)
 
 
 def _generation_config(model: nn.Module, path: Path, given: Any, trust: bool | None) -> None:
