@@ -55,41 +55,41 @@ PRETRAINED = "transformers.modeling_utils:PreTrainedModel"
 # ---------------------------------------------------------------- transformers.Trainer
 TRAINER_OVERRIDES = (
     Function(owner=TRAINER, name="_move_model_to_device", params=("model", "device"),
-              why="the engine places the shards; a meta model must not be moved whole"),
+             why="the engine places the shards; a meta model must not be moved whole"),
     Function(owner=TRAINER, name="_prepare_for_training",
-              params=("max_steps", "train_dataloader", "resume_from_checkpoint"),
-              why="where the engine exists first: stage 3's synced generate is set there"),
+             params=("max_steps", "train_dataloader", "resume_from_checkpoint"),
+             why="where the engine exists first: stage 3's synced generate is set there"),
     Function(owner=TRAINER, name="_save_optimizer_and_scheduler", params=("output_dir",),
-              why="the sharded optimizer goes to zero_checkpoint/"),
+             why="the sharded optimizer goes to zero_checkpoint/"),
     Function(owner=TRAINER, name="_save_scaler", params=("output_dir",),
-              why="fp16 loss scaling is the engine's"),
+             why="fp16 loss scaling is the engine's"),
     Function(owner=TRAINER, name="_load_from_checkpoint",
-              params=("resume_from_checkpoint", "model"),
-              why="a checkpoint with a sharded copy is read after prepare, not into the model"),
+             params=("resume_from_checkpoint", "model"),
+             why="a checkpoint with a sharded copy is read after prepare, not into the model"),
     Function(owner=TRAINER, name="_load_optimizer_and_scheduler", params=("checkpoint",),
-              why="the sharded optimizer is read from zero_checkpoint/"),
+             why="the sharded optimizer is read from zero_checkpoint/"),
     Function(owner=TRAINER, name="_load_scaler", params=("checkpoint",),
-              why="fp16 loss scaling is the engine's"),
+             why="fp16 loss scaling is the engine's"),
     Function(owner=TRAINER, name="_load_best_model",
-              why="the best checkpoint's exact masters, from its sharded copy"),
+             why="the best checkpoint's exact masters, from its sharded copy"),
 )
 """Trainer's private methods ``ZeroTrainerMixin`` overrides (every one of them)."""
 
 TRAINER_HOOKS = (
     Function(owner=TRAINER, name="create_accelerator_and_postprocess",
-              why="builds the accelerator (a ZeroAccelerator, by TRAINER_ACCELERATOR)"),
+             why="builds the accelerator (a ZeroAccelerator, by TRAINER_ACCELERATOR)"),
     Function(owner=TRAINER, name="create_optimizer", params=("model",),
-              why="stage 3 adds the frozen parameters to the optimizer"),
+             why="stage 3 adds the frozen parameters to the optimizer"),
     Function(owner=TRAINER, name="save_model", params=("output_dir", "_internal_call"),
-              why="consolidated weights; _internal_call is private"),
+             why="consolidated weights; _internal_call is private"),
     Function(owner=TRAINER, name="evaluation_loop", passes_through=True,
-              why="a meta model needs the engine before evaluate()/predict()"),
+             why="a meta model needs the engine before evaluate()/predict()"),
 )
 """Undocumented public methods of Trainer we override (a private parameter among them)."""
 
 TRAINER_CALLS = (
     Function(owner=TRAINER, name="_save", params=("output_dir",), keywords=("state_dict",),
-              why="save_pretrained's files from the consolidated state dict"),
+             why="save_pretrained's files from the consolidated state dict"),
 )
 
 TRAINER_ACCELERATOR = Attribute(
@@ -150,24 +150,24 @@ PRETRAINED_NAMES = (
     Attribute(owner="transformers.configuration_utils:PretrainedConfig",
               name="_experts_implementation", why="experts_implementation= set on the config"),
     Function(owner="transformers.initialization", name="guard_torch_init_functions",
-              why="makes torch's init functions honour _is_hf_initialized"),
+             why="makes torch's init functions honour _is_hf_initialized"),
     Function(owner="transformers.conversion_mapping", name="get_model_conversion_mapping",
-              params=("model", "key_mapping", "hf_quantizer"),
-              why="the model's legacy key renamings and weight converters"),
+             params=("model", "key_mapping", "hf_quantizer"),
+             why="the model's legacy key renamings and weight converters"),
     Function(owner="transformers.core_model_loading", name="rename_source_key",
-              params=("source_key", "weight_renamings", "weight_converters"),
-              why="renames a folder key as transformers' loader does"),
+             params=("source_key", "weight_renamings", "weight_converters"),
+             why="renames a folder key as transformers' loader does"),
     Attribute(owner="transformers.core_model_loading", name="WeightRenaming",
               why="a renaming among the conversion mapping's transforms"),
     Attribute(owner="transformers.core_model_loading", name="WeightConverter",
               why="a converter (tensors merged or split), which streaming refuses"),
     Function(owner="transformers.generation.utils:GenerationMixin",
-              name="adjust_generation_fn",
-              params=("generation_config", "from_auto_class", "from_pipeline",
-                      "pretrained_model_name_or_path"),
-              keywords=("cache_dir", "force_download", "proxies", "local_files_only", "token",
-                        "revision", "subfolder", "trust_remote_code"),
-              why="reads the folder's generation_config.json as from_pretrained does"),
+             name="adjust_generation_fn",
+             params=("generation_config", "from_auto_class", "from_pipeline",
+                     "pretrained_model_name_or_path"),
+             keywords=("cache_dir", "force_download", "proxies", "local_files_only", "token",
+                       "revision", "subfolder", "trust_remote_code"),
+             why="reads the folder's generation_config.json as from_pretrained does"),
 )
 
 ALL: tuple[Function | Attribute, ...] = (
