@@ -384,7 +384,7 @@ class Activations:
             kind = self._install(module)
             if kind is not None and kind not in switched:
                 switched.append(kind)
-        # after every layer: the model-wide switch tells layers apart from the rest by theirs
+        # once per kind that switched a layer: the rest of the model reads the same switch
         for kind in switched:
             self._restore.extend(kind.switch_model(self.model))
 
