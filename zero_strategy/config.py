@@ -342,6 +342,8 @@ class ZeroConfig:
         message starts with ``source`` (a file, a strategy's arguments, a Hydra key) and goes on
         with the same words from every entry point."""
         check_options(options, source=source)
+        if base is not None and not options:
+            return base
         try:
             return dataclasses.replace(base, **options) if base is not None else cls(**options)
         except ValueError as err:
@@ -426,8 +428,8 @@ def check_options(values: Mapping[str, Any], *, source: str, cls: type | None = 
 
 def _check_mapping(values: Any, cls: type, prefix: str) -> None:
     if not isinstance(values, Mapping):
-        raise ConfigError(f"{prefix.rstrip('.') or 'the config'} must be a mapping of "
-                          f"{cls.__name__} fields, got {type(values).__name__}")
+        raise ConfigError(f"expected a mapping of {cls.__name__} fields, got "
+                          f"{type(values).__name__}")  # a nested one is refused by _accept
     hints = _hints(cls)
     unknown = sorted(str(key) for key in values if key not in hints)
     if unknown:
