@@ -92,8 +92,9 @@ def check_strategy(cfg: DictConfig) -> None:
             raise ValueError(f"strategy.offload is for the anchors (fsdp, deepspeed); "
                              f"strategy={s.name} offloads with strategy.zero.offload_optimizer "
                              "and strategy.zero.offload_params")
-        ZeroConfig.from_dict({"stage": int(s.stage), "precision": str(cfg.precision.name),
-                              **schema.zero_options(s.zero)}, source="strategy.zero")
+        # The workers' ZeroStrategy(stage=..., **strategy.zero) builds it the same way.
+        ZeroConfig.from_options({"stage": s.stage, "precision": str(cfg.precision.name),
+                                 **schema.zero_options(s.zero)}, source="strategy.zero")
         return
     stray = sorted(schema.zero_options(s.zero))
     if stray:

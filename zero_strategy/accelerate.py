@@ -1,6 +1,6 @@
 """Hugging Face Accelerate on ZeRO: ``ZeroAccelerator`` in an ordinary ``accelerate launch``
 loop, configured by ``ZeroPlugin`` or a plugin YAML file (``$ZERO_STRATEGY_CONFIG``). Needs
-the ``accelerate`` extra; the adapter is ``zero_strategy/integrations/accelerate.py``."""
+the ``accelerate`` extra; the adapter is the package ``zero_strategy/integrations/accelerate/``."""
 
 from .integrations import require
 

@@ -1,26 +1,68 @@
 """`ZeroConfig`: the one place where every option, its default and its validation live.
 
 The config is frozen and checked at construction, so an engine never starts from a
-contradictory set of options and nothing falls back silently to another stage.
+contradictory set of options and nothing falls back silently to another stage. Every entry
+point (Lightning and Fabric strategy arguments, Accelerate's plugin and its YAML files,
+``ZeroTrainer``'s plugin, Hydra's ``strategy.zero``) goes through ``check_options`` and
+``ZeroConfig.from_options``, so a wrong key or value reads the same from each: the entry point's
+name, then one message built from the field's annotation. ``reconcile_precision`` settles a
+config's precision against the one a framework was given.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import math
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
-STAGES = (0, 1, 2, 3)
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
-REDUCE_DTYPES = ("fp32", "compute")
-NONFINITE_POLICIES = ("skip", "error", "off")
-QUANTIZATIONS = ("off", "int8")
-OFFLOAD_TIERS = (False, True, "cpu", "disk")
-ACTIVATION_TIERS = (False, "cpu", "disk")
-"""Values of ``offload_activations``."""
+
+class ConfigError(ValueError, TypeError):
+    """A config key or value no ``ZeroConfig`` accepts, named with where it came from. Both a
+    ValueError (a wrong value) and a TypeError (what an unknown keyword argument raises), so
+    either ``except`` that a caller of an entry point wrote before keeps catching it."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a field's annotation adds to its type (``Annotated[int, Rule(minimum=1)]``): a
+    lower bound checked with the type, and the words an error uses for it."""
+
+    minimum: int | None = None
+    text: str | None = None
+    """Replaces the type's generic description ("an int") in messages."""
+    note: str = ""
+    """Appended to any message about the field: why, or what to write instead."""
+
+
+# ``minimum`` bounds an int's value, a str's or a list's length.
+PositiveInt = Annotated[int, Rule(minimum=1, text="a positive int")]
+ClassName = Annotated[str, Rule(minimum=1)]
+ClassNames = Annotated[tuple[ClassName, ...], Rule(text="a list of module class names (str)")]
+
+# Choice fields: the allowed values are the annotation's and nowhere else.
+Stage = Literal[0, 1, 2, 3]
+Precision = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
+ReduceDtype = Literal["fp32", "compute"]
+NonfinitePolicy = Literal["skip", "error", "off"]
+Quantization = Literal["off", "int8"]
+OffloadTier = bool | Literal["cpu", "disk"]
 """Values of ``offload_optimizer`` / ``offload_params``: False (none), True or "cpu" (host
 memory), "disk" (files under ``offload_dir``)."""
+ActivationTier = Annotated[Literal[False, "cpu", "disk"], Rule(
+    note=" (say where: 'cpu' for host memory, 'disk' for files under offload_dir)")]
+"""Values of ``offload_activations``."""
+
+STAGES: tuple[int, ...] = typing.get_args(Stage)
+PRECISIONS: tuple[str, ...] = typing.get_args(Precision)
+REDUCE_DTYPES: tuple[str, ...] = typing.get_args(ReduceDtype)
+NONFINITE_POLICIES: tuple[str, ...] = typing.get_args(NonfinitePolicy)
+QUANTIZATIONS: tuple[str, ...] = typing.get_args(Quantization)
 DEFAULT_DISK_STAGING_BYTES = 64 << 20
 MIN_DISK_STAGING_BYTES = 16 << 10  # 4 slots of a page
 
@@ -41,9 +83,9 @@ class LossScaleConfig:
 
     initial_scale: float = 2.0**16
     """Starting scale; a power of two so scaling and unscaling are exact."""
-    growth_interval: int = 1000
+    growth_interval: PositiveInt = 1000
     """Consecutive overflow-free steps after which the scale doubles."""
-    hysteresis: int = 2
+    hysteresis: PositiveInt = 2
     """Overflowing steps tolerated before the scale is halved (the counter resets on growth)."""
     min_scale: float = 1.0
     """The scale never drops below this."""
@@ -51,9 +93,8 @@ class LossScaleConfig:
     """A fixed scale; disables growth and backoff (overflowing steps are still skipped)."""
 
     def __post_init__(self) -> None:
+        _check_fields(self, prefix="loss_scale.")  # it is only ever ZeroConfig.loss_scale
         _check_power_of_two("loss_scale.initial_scale", self.initial_scale)
-        _check_positive_int("loss_scale.growth_interval", self.growth_interval)
-        _check_positive_int("loss_scale.hysteresis", self.hysteresis)
         if not (_is_number(self.min_scale) and 0 < self.min_scale <= MAX_LOSS_SCALE):
             raise ValueError(f"loss_scale.min_scale must be a finite number in (0, 2**64], got "
                              f"{self.min_scale!r}")
@@ -79,26 +120,26 @@ class ZeroConfig:
     3 also parameters (Rajbhandari et al., arXiv:1910.02054).
     """
 
-    stage: int = 3
+    stage: Stage = 3
     """ZeRO stage: 0, 1, 2 or 3."""
-    precision: str = "32-true"
+    precision: Precision = "32-true"
     """Lightning's precision names: "32-true", "bf16-mixed", "16-mixed", "bf16-true"."""
-    reduce_dtype: str = "fp32"
+    reduce_dtype: ReduceDtype = "fp32"
     """Dtype gradients are communicated in: "fp32" or "compute" (the precision's compute dtype)."""
-    bucket_numel: int = 5_000_000
+    bucket_numel: PositiveInt = 5_000_000
     """Elements per communication bucket for stages 0-2 (and for stage 3's persistent params)."""
-    unit_numel: int | None = None
+    unit_numel: PositiveInt | None = None
     """Stage 3: a submodule becomes its own gather unit once it holds this many elements
     not claimed by a smaller unit (default 1,000,000)."""
-    param_persistence_threshold: int | None = None
+    param_persistence_threshold: Annotated[int, Rule(minimum=0)] | None = None
     """Stage 3: parameters with fewer elements stay whole on every rank (default 10,000;
     units gather all their parameters in one collective, so persistence saves no latency here)."""
     prefetch: bool | None = None
     """Stage 3: gather the next unit while the current one computes (default True)."""
-    unit_leaf_classes: tuple[str, ...] | None = None
+    unit_leaf_classes: ClassNames | None = None
     """Stage 3: class names of modules gathered as one unit with everything below them, e.g.
     a mixture-of-experts layer whose experts do not all run on every rank (default none)."""
-    check_gather_order: bool | str | None = None
+    check_gather_order: bool | Literal["blocking"] | None = None
     """Stage 3: with each gather, check with a 16-byte all-gather that every rank gathers
     the same unit, and raise ``GatherOrderError`` naming both when ranks run different
     modules (default True). True: on the host (gloo) the check blocks before the gather, so
@@ -116,7 +157,7 @@ class ZeroConfig:
     taken from the module before ``step()`` and read after it, before such a read, may hold
     other ranks' old values: take references after ``step()``, or set False to wait in
     ``step()``."""
-    offload_optimizer: bool | str = False
+    offload_optimizer: OffloadTier = False
     """Where the fp32 master shard and optimizer states rest (stage >= 1): False on the
     device; True or "cpu" in CPU memory, stepped there (on a CPU device they are in CPU
     memory already: nothing is moved or copied); "disk" (stages 2-3) in files under
@@ -124,21 +165,21 @@ class ZeroConfig:
     for the step with the next unit read ahead, so host memory holds a few units' worth
     (ZeRO-Infinity's NVMe tier; no libaio or compiled ops: each unit's files are read and
     written whole with direct I/O on two background threads)."""
-    offload_params: bool | str = False
+    offload_params: OffloadTier = False
     """Stage 3: where parameter shards rest between gathers: False on the device; True or
     "cpu" in CPU memory (on a CPU device: where they are already, at no cost); "disk" in files
     under ``offload_dir``, read ahead of each gather (needs ``offload_optimizer="disk"``)."""
-    offload_dir: str | None = None
+    offload_dir: Annotated[str, Rule(minimum=1, text="a directory path (str)")] | None = None
     """Directory for the "disk" tier's files (one subdirectory per rank, locked while an
     engine uses it, removed by ``close()``). None: a fresh directory under the system's temp
     dir, removed by ``close()``. Setting it without a "disk" tier is an error."""
-    disk_staging_bytes: int | None = None
+    disk_staging_bytes: Annotated[int, Rule(minimum=MIN_DISK_STAGING_BYTES)] | None = None
     """On a GPU, the pinned host memory the "disk" tier's copies to and from the device pass
     through (a ring of 4 buffers, allocated once): the most the tier ever pins. None: 64 MiB.
     At least 16 KiB; setting it without a "disk" tier is an error."""
     broadcast_buffers: bool = True
     """Broadcast rank 0's module buffers at every forward, as DistributedDataParallel does."""
-    nonfinite_grads: str = "skip"
+    nonfinite_grads: NonfinitePolicy = "skip"
     """What a step does when any gradient is inf/NaN on any rank: "skip" it everywhere
     (weights, optimizer state and step counts unchanged; ``step()`` returns False and warns),
     "error" (raise), or "off" (no check). "16-mixed" needs "skip" (its loss scaling relies on
@@ -149,23 +190,24 @@ class ZeroConfig:
     torch's elementwise optimizers are recognised without it."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """Dynamic loss scaling for "16-mixed"; customising it under another precision is an error."""
-    shard_group_size: int | None = None
+    shard_group_size: PositiveInt | None = None
     """Hybrid sharding (FSDP's HSDP, ZeRO++'s hierarchical partitioning): shard within groups of
     this many consecutive ranks (a node's GPUs) and replicate across the groups. Gathers and
     reduce-scatters stay inside a group; each gradient shard is then all-reduced across the
     groups, the only traffic between them. Must divide the world size; None (default) shards
     over every rank. Stages 1-3."""
-    quantize_weights: str = "off"
+    quantize_weights: Quantization = "off"
     """Stage 3: send the parameter all-gathers as block-wise int8, one fp32 scale per 256
     elements (ZeRO++'s quantized weight gather): 0.26x the bytes of fp32, 0.52x of bf16. Every
     rank computes with the same decoded weights (its own piece too); the masters the optimizer
     updates stay exact. "off" or "int8"."""
-    quantize_gradients: str = "off"
+    quantize_gradients: Quantization = "off"
     """Stages 1-3: send the gradient reduce-scatter as block-wise int8 (ZeRO++'s quantized
     gradients, as an all-to-all): each rank receives its slice of every other rank's gradient
     in int8, decodes it and sums in fp32 with its own part, which is never quantized.
     "off" or "int8"."""
-    activation_checkpointing: bool | tuple[str, ...] = False
+    activation_checkpointing: bool | Annotated[tuple[ClassName, ...], Rule(
+        minimum=1, text="a non-empty list of module class names (str)")] = False
     """Recompute activations in backward instead of keeping them (every stage). True: each
     transformer layer transformers marks as checkpointable (``GradientCheckpointingLayer``:
     what ``model.gradient_checkpointing_enable()`` picks), else each module of the model's
@@ -176,126 +218,33 @@ class ZeroConfig:
     restored, so dropout draws the same masks); at stage 3 the units it recomputes stay
     gathered from their recomputation through their backward, so a step gathers each unit
     once for forward and once for backward, as without checkpointing."""
-    offload_activations: bool | str = False
+    offload_activations: ActivationTier = False
     """Where the inputs the checkpointed modules keep rest until backward (needs
     ``activation_checkpointing``): False on the device; "cpu" in host memory (copied on a
     side stream from a GPU; on a CPU device they are there already: nothing moves); "disk"
     in files under ``offload_dir`` (written and read back on a background thread). Each is
     brought back ahead of the module's recomputation, the next one's while it runs."""
-    timeout: float = 600.0
+    timeout: Annotated[float, Rule(text="a number of seconds > 0")] = 600.0
     """Seconds a collective the engine issues may wait for the other ranks before it raises an
     error naming the collective and the step (a stalled or lost peer). The default is torch's
     NCCL default (10 minutes); gloo's own is 30. Under nccl it applies through the process
     group's timeout, which the adapters set from this field."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.loss_scale, dict):
-            object.__setattr__(self, "loss_scale", LossScaleConfig(**self.loss_scale))
-        self._check_choices()
-        self._check_sizes()
-        self._check_stage_consistency()
-
-    def _check_choices(self) -> None:
-        if isinstance(self.stage, bool) or self.stage not in STAGES:
-            raise ValueError(f"stage must be one of {STAGES}, got {self.stage!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if self.reduce_dtype not in REDUCE_DTYPES:
-            raise ValueError(
-                f"reduce_dtype must be one of {REDUCE_DTYPES}, got {self.reduce_dtype!r}"
-            )
-        for name in ("quantize_weights", "quantize_gradients"):
-            if getattr(self, name) not in QUANTIZATIONS:
-                raise ValueError(f"{name} must be one of {QUANTIZATIONS}, got "
-                                 f"{getattr(self, name)!r}")
-        if self.nonfinite_grads not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite_grads must be one of {NONFINITE_POLICIES}, got "
-                             f"{self.nonfinite_grads!r}")
+        _check_fields(self)  # types, choices and bounds, from the annotations above
         if self.precision == "16-mixed" and self.nonfinite_grads != "skip":
             raise ValueError(
                 f"precision='16-mixed' needs nonfinite_grads='skip' (got "
                 f"{self.nonfinite_grads!r}): dynamic loss scaling finds its scale by skipping "
                 "the steps that overflow")
-        for name in ("offload_optimizer", "offload_params"):
-            value = getattr(self, name)
-            if not any(value is allowed or (isinstance(allowed, str) and value == allowed)
-                       for allowed in OFFLOAD_TIERS):
-                raise ValueError(f"{name} must be False, True, 'cpu' or 'disk', got {value!r}")
-        if self.offload_dir is not None and (not isinstance(self.offload_dir, str)
-                                             or not self.offload_dir):
-            raise ValueError(f"offload_dir must be a directory path (str) or None, got "
-                             f"{self.offload_dir!r}")
-        staging = self.disk_staging_bytes
-        if staging is not None and (isinstance(staging, bool) or not isinstance(staging, int)
-                                    or staging < MIN_DISK_STAGING_BYTES):
-            raise ValueError(f"disk_staging_bytes must be an int >= {MIN_DISK_STAGING_BYTES} "
-                             f"(bytes of pinned host memory) or None, got {staging!r}")
-        self._check_activation_choices()
-        for name in ("broadcast_buffers", "elementwise_optimizer", "overlap_param_gather"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.prefetch is not None and not isinstance(self.prefetch, bool):
-            raise ValueError(f"prefetch must be True, False or None, got {self.prefetch!r}")
-        order = self.check_gather_order
-        if order is not None and not isinstance(order, bool) and order != "blocking":
-            raise ValueError(f"check_gather_order must be True, False, 'blocking' or None, "
-                             f"got {order!r}")
-        leaves = self.unit_leaf_classes
-        if isinstance(leaves, list):
-            leaves = tuple(leaves)
-            object.__setattr__(self, "unit_leaf_classes", leaves)
-        if leaves is not None and not (
-            isinstance(leaves, tuple) and all(isinstance(c, str) and c for c in leaves)
-        ):
+        if self.offload_activations and not self.activation_checkpointing:
             raise ValueError(
-                f"unit_leaf_classes must be a list of module class names (str), got {leaves!r}")
-        if not isinstance(self.loss_scale, LossScaleConfig):
-            raise ValueError(
-                f"loss_scale must be a LossScaleConfig or a dict, got {type(self.loss_scale)!r}"
-            )
-
-    def _check_activation_choices(self) -> None:
-        chosen = self.activation_checkpointing
-        if isinstance(chosen, list):
-            chosen = tuple(chosen)
-            object.__setattr__(self, "activation_checkpointing", chosen)
-        if not (isinstance(chosen, bool) or (
-                isinstance(chosen, tuple) and chosen and all(isinstance(c, str) and c
-                                                             for c in chosen))):
-            raise ValueError(
-                f"activation_checkpointing must be True, False or a non-empty list of module "
-                f"class names (str), got {chosen!r}")
-        offload = self.offload_activations
-        if offload is True:
-            raise ValueError(
-                "offload_activations must be False, 'cpu' or 'disk', got True (say where: "
-                "'cpu' for host memory, 'disk' for files under offload_dir)")
-        if not any(offload is allowed or (isinstance(allowed, str) and offload == allowed)
-                   for allowed in ACTIVATION_TIERS):
-            raise ValueError(f"offload_activations must be False, 'cpu' or 'disk', got "
-                             f"{offload!r}")
-        if offload and not chosen:
-            raise ValueError(
-                f"offload_activations={offload!r} needs activation_checkpointing (True or a "
-                "list of module class names): what is offloaded are the inputs the "
-                "checkpointed modules keep for their recomputation")
-
-    def _check_sizes(self) -> None:
-        _check_positive_int("bucket_numel", self.bucket_numel)
-        if (isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float))
-                or not 0 < self.timeout < float("inf")):
+                f"offload_activations={self.offload_activations!r} needs "
+                "activation_checkpointing (True or a list of module class names): what is "
+                "offloaded are the inputs the checkpointed modules keep for their recomputation")
+        if not 0 < self.timeout < float("inf"):
             raise ValueError(f"timeout must be a number of seconds > 0, got {self.timeout!r}")
-        if self.unit_numel is not None:
-            _check_positive_int("unit_numel", self.unit_numel)
-        if self.shard_group_size is not None:
-            _check_positive_int("shard_group_size", self.shard_group_size)
-        threshold = self.param_persistence_threshold
-        if threshold is not None and (
-            isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0
-        ):
-            raise ValueError(
-                f"param_persistence_threshold must be an int >= 0, got {threshold!r}"
-            )
+        self._check_stage_consistency()
 
     def _check_stage_consistency(self) -> None:
         if self.stage < 3:
@@ -386,15 +335,24 @@ class ZeroConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any], *, source: str = "config") -> ZeroConfig:
-        """Build from plain data (YAML, Hydra); unknown keys are an error naming the key."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(
-                f"{source}: unknown ZeroConfig key(s) {unknown}; allowed keys: {sorted(known)}"
-            )
-        return cls(**values)
+    def from_options(cls, options: Mapping[str, Any], *, source: str,
+                     base: ZeroConfig | None = None) -> ZeroConfig:
+        """``base`` (default: every default) with ``options`` set: the way in for every entry
+        point. Unknown keys, types and values are checked; any error is a ``ConfigError`` whose
+        message starts with ``source`` (a file, a strategy's arguments, a Hydra key) and goes on
+        with the same words from every entry point."""
+        check_options(options, source=source)
+        if base is not None and not options:
+            return base
+        try:
+            return dataclasses.replace(base, **options) if base is not None else cls(**options)
+        except ValueError as err:
+            raise ConfigError(f"{source}: {err}") from None
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> ZeroConfig:
+        """Build from plain data (YAML, Hydra): ``from_options`` over the defaults."""
+        return cls.from_options(values, source=source)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -404,11 +362,6 @@ def _tier(value: bool | str) -> str:
     if value == "disk":
         return "disk"
     return "cpu" if value in (True, "cpu") else "device"
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 MAX_LOSS_SCALE = 2.0**64
@@ -431,3 +384,167 @@ def _check_power_of_two(name: str, value: Any) -> None:
         mantissa *= 2.0
     if mantissa != 1.0:
         raise ValueError(f"{name} must be a power of two (e.g. 65536.0), got {value!r}")
+
+
+# ---------------------------------------------------------------------- precision
+@dataclass(frozen=True)
+class PrecisionFlag:
+    """A framework's own precision setting, as it bears on ``ZeroConfig.precision``."""
+
+    setting: str
+    """As the user wrote it, for messages: "Trainer(precision='bf16-true')"."""
+    means: str
+    """The precision it stands for where the config chose none."""
+    agrees: tuple[str, ...]
+    """The precisions a config may choose beside it (the config's choice then wins)."""
+
+
+def reconcile_precision(chosen: str | None, flag: PrecisionFlag, *, source: str) -> str:
+    """The precision to train in: ``chosen`` (set in the config, None if left unset) beside
+    a framework's ``flag``. Every adapter settles precision here, so a contradiction reads
+    the same from each, naming both settings; a value no config accepts is left for the
+    config's own check to name."""
+    if chosen is None:
+        return flag.means
+    if chosen in flag.agrees or chosen not in PRECISIONS:
+        return chosen
+    raise ConfigError(
+        f"{source}: precision conflict: precision={chosen!r} contradicts {flag.setting}; set it "
+        f"in one place, or make them agree ({flag.setting} allows {list(flag.agrees)}, not "
+        f"{chosen!r})")
+
+
+# ---------------------------------------------------------------------- keys and types
+def check_options(values: Mapping[str, Any], *, source: str, cls: type | None = None) -> None:
+    """Unknown keys (naming each, the closest known one and all of them) and every value's
+    type, choices and bounds as ``cls``'s annotations state them (default ``ZeroConfig``),
+    without building a config: what an entry point checks of its own part before the parts
+    are merged. Errors are ``ConfigError`` starting with ``source``."""
+    try:
+        _check_mapping(values, ZeroConfig if cls is None else cls, prefix="")
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
+
+
+def _check_mapping(values: Any, cls: type, prefix: str) -> None:
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"expected a mapping of {cls.__name__} fields, got "
+                          f"{type(values).__name__}")  # a nested one is refused by _accept
+    hints = _hints(cls)
+    unknown = sorted(str(key) for key in values if key not in hints)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], list(hints), n=1)
+        guess = f" (did you mean {prefix + close[0]!r}?)" if close else ""
+        raise ConfigError(
+            f"unknown {cls.__name__} key(s) {[prefix + key for key in unknown]}{guess}; "
+            f"allowed keys: {sorted(prefix + key for key in hints)}")
+    for key, value in values.items():
+        _checked(f"{prefix}{key}", value, hints[key])
+
+
+def _check_fields(config: Any, prefix: str = "") -> None:
+    """Each field of a config under construction against its annotation; a YAML list becomes
+    a tuple and a mapping a nested config, so the frozen result holds the declared types."""
+    for name, hint in _hints(type(config)).items():
+        value = getattr(config, name)
+        checked = _checked(f"{prefix}{name}", value, hint)
+        if checked is not value:
+            object.__setattr__(config, name, checked)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+_REFUSED = object()
+
+
+def _checked(name: str, value: Any, hint: Any) -> Any:
+    """``value`` as the field keeps it, or a ``ConfigError`` saying what ``name`` takes."""
+    accepted = _accept(name, value, hint)
+    if accepted is _REFUSED:
+        raise ConfigError(f"{name} must be {_describe(hint)}, got {value!r}{_rule(hint).note}")
+    return accepted
+
+
+def _accept(name: str, value: Any, hint: Any) -> Any:
+    base, rule = _unannotated(hint), _rule(hint)
+    origin, args = typing.get_origin(base), typing.get_args(base)
+    if origin in (typing.Union, types.UnionType):
+        for member in args:
+            accepted = _accept(name, value, member)
+            if accepted is not _REFUSED:
+                return accepted
+        return _REFUSED
+    if origin is Literal:  # bool is an int: True is not 1 here, nor 1 True
+        same = any(isinstance(value, bool) == isinstance(choice, bool)
+                   and isinstance(value, type(choice)) and value == choice for choice in args)
+        return value if same else _REFUSED
+    if origin is tuple:  # tuple[X, ...]: a list in YAML
+        if not isinstance(value, (list, tuple)) or len(value) < (rule.minimum or 0):
+            return _REFUSED
+        items = tuple(_accept(name, item, args[0]) for item in value)
+        return items if _REFUSED not in items else _REFUSED
+    if dataclasses.is_dataclass(base):
+        if isinstance(value, base):
+            return value
+        if not isinstance(value, Mapping):
+            return _REFUSED
+        _check_mapping(value, base, prefix=f"{name}.")
+        return base(**value)
+    return value if _plain(value, base, rule) else _REFUSED
+
+
+def _plain(value: Any, base: Any, rule: Rule) -> bool:
+    if base is type(None):
+        return value is None
+    if isinstance(value, bool) or base is bool:
+        return base is bool and isinstance(value, bool)
+    if base is float:
+        return isinstance(value, (int, float))
+    if base is int:
+        return isinstance(value, int) and (rule.minimum is None or value >= rule.minimum)
+    if base is str:
+        return isinstance(value, str) and len(value) >= (rule.minimum or 0)
+    raise TypeError(f"no check for annotation {base!r}")  # a new field's type: add one here
+
+
+def _describe(hint: Any) -> str:
+    """What a field takes, in the words of its annotation: "one of (0, 1, 2, 3)",
+    "True, False, 'blocking' or None", "a positive int or None"."""
+    base = _unannotated(hint)
+    if _rule(hint).text is None and typing.get_origin(base) is Literal:
+        return f"one of {typing.get_args(base)!r}"
+    parts = _parts(hint)
+    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} or {parts[-1]}"
+
+
+def _parts(hint: Any) -> list[str]:
+    base, rule = _unannotated(hint), _rule(hint)
+    origin, args = typing.get_origin(base), typing.get_args(base)
+    if rule.text is not None:
+        return [rule.text]
+    if origin in (typing.Union, types.UnionType):
+        return [part for member in args for part in _parts(member)]
+    if origin is Literal:
+        return [repr(choice) for choice in args]
+    if origin is tuple:
+        return [f"a list of {_describe(args[0])}"]
+    if dataclasses.is_dataclass(base):
+        return [f"a {base.__name__} or a mapping"]
+    bound = f" >= {rule.minimum}" if rule.minimum is not None else ""
+    words = {type(None): ["None"], bool: ["True", "False"], int: [f"an int{bound}"],
+             float: ["a number"], str: ["a str"]}
+    return words[base]
+
+
+def _unannotated(hint: Any) -> Any:
+    return typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
+
+
+def _rule(hint: Any) -> Rule:
+    if typing.get_origin(hint) is Annotated:
+        return next((m for m in hint.__metadata__ if isinstance(m, Rule)), Rule())
+    return Rule()

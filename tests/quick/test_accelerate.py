@@ -69,7 +69,7 @@ def test_the_resumed_loader_leaves_the_global_generator_alone() -> None:
     batches are the same. A loader with the user's own generator is left as it is."""
     from torch.utils.data import DataLoader
 
-    from zero_strategy.integrations.accelerate import _seed_workers_from_a_copy
+    from zero_strategy.integrations.accelerate.accelerator import _seed_workers_from_a_copy
 
     def first_batch(loader: DataLoader) -> tuple[list[int], bool]:
         torch.manual_seed(3)
@@ -228,7 +228,7 @@ def test_a_launch_that_accelerate_counts_as_one_process_is_refused(
     each rank would read the whole data set, so training must not start."""
     import torch
 
-    from zero_strategy.integrations.accelerate import _ensure_process_group
+    from zero_strategy.integrations.accelerate.accelerator import _ensure_process_group
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)  # whatever ran before

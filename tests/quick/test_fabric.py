@@ -96,7 +96,7 @@ def test_registered_names_and_precision() -> None:
 
 
 def test_bad_input_is_refused_before_launch() -> None:
-    with pytest.raises(TypeError, match="unknown option.*'offload'.*allowed"):
+    with pytest.raises(TypeError, match="unknown ZeroConfig key.*'offload'.*allowed"):
         ZeroFabricStrategy(offload=True)
     strategy = ZeroFabricStrategy(stage=2)
     model = nn.Linear(2, 2)

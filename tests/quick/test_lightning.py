@@ -246,7 +246,7 @@ def test_precision_from_config_and_conflicts() -> None:
 
 
 def test_bad_options_name_the_field() -> None:
-    with pytest.raises(TypeError, match="unknown option.*'stages'.*allowed.*'stage'"):
+    with pytest.raises(TypeError, match="unknown ZeroConfig key.*'stages'.*allowed.*'stage'"):
         ZeroStrategy(stages=3)
     with pytest.raises(ValueError, match="stage must be one of"):
         ZeroStrategy(stage=4)

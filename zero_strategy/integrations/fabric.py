@@ -46,7 +46,6 @@ from .shared import (
     read_client_state,
     restore_hyperparameters,
     save_engine_checkpoint,
-    with_timeout,
 )
 from .step_turns import StepTurns
 
@@ -111,7 +110,7 @@ class ZeroFabricStrategy(DDPStrategy):
         if isinstance(precision, str):  # the ZeroConfig field, not Fabric's plugin argument
             options["precision"], precision = precision, None
         # Set before super().__init__, which already calls the precision setter.
-        self.config = with_timeout(build_config(config, options, type(self).__name__), timeout)
+        self.config = build_config(config, options, type(self).__name__, timeout)
         self._precision_explicit = precision_explicit(config, options)
         self._param_init_fn = param_init_fn
         self._modules: list[EngineModule] = []
@@ -136,7 +135,8 @@ class ZeroFabricStrategy(DDPStrategy):
         if plugin is not None and not isinstance(plugin, ZeroFabricPrecision):
             owner = type(self).__name__
             name = generic_precision_name(plugin, _FABRIC_GENERIC, owner)
-            self.config = merge_precision(self.config, name, self._precision_explicit, owner)
+            self.config = merge_precision(self.config, name, self._precision_explicit, owner,
+                                          "Fabric")
             plugin = ZeroFabricPrecision(self.config.precision)
         self._precision = plugin
 

@@ -71,7 +71,6 @@ from .shared import (
     precision_explicit,
     restore_hyperparameters,
     save_engine_checkpoint,
-    with_timeout,
 )
 
 _GENERIC_PLUGINS = (Precision, MixedPrecision, HalfPrecision)
@@ -248,7 +247,7 @@ class ZeroStrategy(DDPStrategy):
         param_init_fn: Callable[[nn.Module], None] | None = None, **options: Any,
     ) -> None:
         # Set before super().__init__, which already calls the precision setter.
-        self.config = with_timeout(build_config(config, options, type(self).__name__), timeout)
+        self.config = build_config(config, options, type(self).__name__, timeout)
         self._precision_explicit = precision_explicit(config, options)
         self._param_init_fn = param_init_fn
         self._engine: ZeroEngine | None = None
@@ -285,7 +284,8 @@ class ZeroStrategy(DDPStrategy):
         if plugin is not None and not isinstance(plugin, ZeroPrecision):
             owner = type(self).__name__
             name = generic_precision_name(plugin, _GENERIC_PLUGINS, owner)
-            self.config = merge_precision(self.config, name, self._precision_explicit, owner)
+            self.config = merge_precision(self.config, name, self._precision_explicit, owner,
+                                          "Trainer")
             plugin = ZeroPrecision(self.config.precision, self)
         self._precision_plugin = plugin
 

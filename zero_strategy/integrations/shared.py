@@ -9,7 +9,6 @@ everything that touches parameters goes through the engine.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import itertools
 import os
@@ -23,7 +22,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import read as checkpoint_read
-from ..config import PRECISIONS, ZeroConfig
+from ..config import PRECISIONS, ConfigError, PrecisionFlag, ZeroConfig, reconcile_precision
 from ..engine import ZeroEngine
 
 # Mirrors Lightning's deepspeed_stage_* presets: "_offload" moves what the stage shards to CPU.
@@ -46,7 +45,6 @@ PRESET_DESCRIPTIONS: dict[str, str] = {
                   "(offload_dir)",
     "zero3_disk": "ZeRO stage 3, optimizer, gradient and parameter shards in files (offload_dir)",
 }
-CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(ZeroConfig))
 CLIENT_KEY = "zero_strategy.framework_state"
 """Key of the serialized framework state (loops, callbacks, schedulers, hyperparameters, the
 user optimizer's hyperparameters) in the engine checkpoint's client state."""
@@ -55,29 +53,24 @@ CHECKPOINT_TAG = "checkpoint"
 
 
 # ---------------------------------------------------------------------- config and precision
-def build_config(config: ZeroConfig | None, options: dict[str, Any], owner: str) -> ZeroConfig:
-    """``config`` (default ``ZeroConfig()``) with ``options`` (ZeroConfig fields) replaced."""
+def build_config(config: ZeroConfig | None, options: dict[str, Any], owner: str,
+                 timeout: timedelta | float | None = None) -> ZeroConfig:
+    """``config`` (default ``ZeroConfig()``) with ``options`` (ZeroConfig fields) replaced,
+    checked by ``ZeroConfig.from_options`` as every entry point's options are. The strategy's
+    own ``timeout=`` (a timedelta or seconds; None keeps the config's) becomes
+    ``ZeroConfig.timeout``: the process group is created with it too, so the engine's
+    collectives and the framework's share one limit."""
     if config is not None and not isinstance(config, ZeroConfig):
         raise TypeError(f"{owner}(config=...) must be a ZeroConfig, got {type(config).__name__}")
-    unknown = sorted(set(options) - set(CONFIG_FIELDS))
-    if unknown:
-        raise TypeError(
-            f"{owner} got unknown option(s) {unknown}; allowed: config=ZeroConfig(...), "
-            "process_group_backend, timeout, param_init_fn, or ZeroConfig fields "
-            f"{list(CONFIG_FIELDS)}"
-        )
-    base = config if config is not None else ZeroConfig()
-    return dataclasses.replace(base, **options) if options else base
+    if timeout is not None:
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        options = {**options, "timeout": seconds}
+    return ZeroConfig.from_options(options, source=arguments(owner), base=config)
 
 
-def with_timeout(config: ZeroConfig, timeout: timedelta | float | None) -> ZeroConfig:
-    """``config`` with the strategy's ``timeout=`` (a timedelta or seconds) as its
-    ``ZeroConfig.timeout``; None keeps the config's. The process group is created with the
-    result too, so the engine's collectives and the framework's share one limit."""
-    if timeout is None:
-        return config
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    return dataclasses.replace(config, timeout=seconds)
+def arguments(owner: str) -> str:
+    """How errors name a strategy's keyword arguments (``config=`` included)."""
+    return f"{owner}(...) arguments"
 
 
 def precision_explicit(config: ZeroConfig | None, options: dict[str, Any]) -> bool:
@@ -85,27 +78,25 @@ def precision_explicit(config: ZeroConfig | None, options: dict[str, Any]) -> bo
     return "precision" in options or (config is not None and config.precision != "32-true")
 
 
-def merge_precision(config: ZeroConfig, flag: str, explicit: bool, owner: str) -> ZeroConfig:
-    """Combine the framework's ``precision=`` flag with the strategy's config.
+def merge_precision(config: ZeroConfig, flag: str, explicit: bool, owner: str,
+                    framework: str) -> ZeroConfig:
+    """Combine the framework's ``precision=`` flag (``framework``: "Trainer", "Fabric") with
+    the strategy's config, through ``reconcile_precision`` as every adapter does.
 
     The framework always passes a flag ("32-true" when the user gave none), so a config that
     chose a precision wins over "32-true"; two different explicit choices are an error.
     """
     if flag not in PRECISIONS:
-        raise ValueError(
+        raise ConfigError(
             f"{owner} does not support precision={flag!r}; allowed: {list(PRECISIONS)} "
             "(the engine keeps fp32 master weights for the mixed modes)"
         )
-    if flag == config.precision:
-        return config
-    if not explicit:
-        return dataclasses.replace(config, precision=flag)
-    if flag == "32-true":
-        return config
-    raise ValueError(
-        f"precision conflict: the framework was given precision={flag!r} but "
-        f"{owner}(config=...) has precision={config.precision!r}; set it in one place"
-    )
+    agrees = PRECISIONS if flag == "32-true" else (flag,)
+    given = PrecisionFlag(f"{framework}(precision={flag!r})", flag, agrees)
+    settled = reconcile_precision(config.precision if explicit else None, given,
+                                  source=arguments(owner))
+    return ZeroConfig.from_options({"precision": settled} if settled != config.precision else {},
+                                   source=arguments(owner), base=config)
 
 
 def generic_precision_name(plugin: Any, generic: tuple[type, ...], owner: str) -> str:

@@ -40,7 +40,6 @@ from ...checkpoint.verify import member
 from ...comm import collectives
 from ..accelerate import (
     CHECKPOINT_SUBDIR,
-    COMPATIBLE_PRECISIONS,
     ZeroAccelerator,
     ZeroPlugin,
     has_accelerator_device,
@@ -262,14 +261,10 @@ def _refuse_unsupported(args: Any) -> None:
 def _check_precision(args: Any, plugin: ZeroPlugin) -> None:
     """A plugin precision against TrainingArguments' flags, named as a Trainer user sets them
     (ZeroAccelerator would name Accelerate's mixed_precision instead)."""
-    explicit = plugin.options.get("precision")
     flag = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) \
         else None
-    if explicit is None or flag is None or explicit in COMPATIBLE_PRECISIONS[flag]:
-        return
-    raise ValueError(f"{plugin.source}: precision={explicit!r} contradicts "
-                     f"TrainingArguments({flag}=True); drop one of them or make them agree "
-                     f"(with {flag}=True: {sorted(COMPATIBLE_PRECISIONS[flag])})")
+    if flag is not None:  # Trainer hands Accelerate the same name
+        plugin.settle_precision(flag, setting=f"TrainingArguments({flag}=True)")
 
 
 def _check_checkpointing(args: Any, plugin: ZeroPlugin) -> None:

@@ -1,74 +1,7 @@
-"""Accelerate integration: an ordinary ``accelerate launch`` training loop trained by ZeroEngine.
-
-Accelerate has no extension point for a third-party sharding backend (``DistributedType`` is a
-closed enum, the config loader rejects unknown keys, ``kwargs_handlers`` takes fixed classes), so
-``ZeroAccelerator`` subclasses ``Accelerator`` and reroutes only what touches the model and its
-optimizer; data loaders, schedulers, ``accumulate()``, RNG/sampler checkpointing, logging and
-process control stay Accelerate's own::
-
-    from zero_strategy.accelerate import ZeroAccelerator, ZeroPlugin
-
-    accelerator = ZeroAccelerator(gradient_accumulation_steps=2)  # $ZERO_STRATEGY_CONFIG
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    for batch in loader:
-        with accelerator.accumulate(model):       # no communication on non-final micro-batches
-            loss = model(**batch).loss
-            accelerator.backward(loss)
-            if accelerator.sync_gradients:
-                accelerator.clip_grad_norm_(model.parameters(), 1.0)   # global norm over shards
-            optimizer.step(); scheduler.step(); optimizer.zero_grad()
-    accelerator.save_state("ckpt")                # sharded; every rank calls it
-    state = accelerator.get_state_dict(model)     # consolidated fp32, the user's keys
-
-Several optimizers over disjoint parameter sets (Muon for the hidden matrices, AdamW for the
-rest) train one engine: ``model, muon, adamw, sched = accelerator.prepare(model, muon, adamw,
-sched)``. The first ``.step()`` of any of them after a backward steps them all (one ZeRO step);
-each other one's ``.step()`` then only takes its turn; schedulers prepared per part work.
-
-Launch (CPU with gloo, or GPUs with nccl; the accelerate config is an ordinary multi-process one)::
-
-    ZERO_STRATEGY_CONFIG=conf/accelerate/zero3.yaml \\
-        accelerate launch --config_file conf/accelerate/multi_process.yaml train.py
-
-Where the ZeRO options come from, highest precedence first:
-
-1. keyword arguments in code: ``ZeroPlugin(stage=2, ...)`` or ``ZeroPlugin.from_config(path,
-   stage=2)``;
-2. the plugin config file, a YAML mapping of ``ZeroConfig`` fields: the ``path`` given to
-   ``ZeroPlugin.from_config``, else the file named by ``$ZERO_STRATEGY_CONFIG``. (It cannot be
-   named inside the accelerate config: Accelerate rejects unknown top-level keys and passes
-   nothing of that file to the launched processes except the variables it knows.);
-3. ``ZeroConfig``'s defaults.
-
-``ZeroAccelerator(zero_plugin=None)`` means ``ZeroPlugin.from_config()``. Precision: a
-``precision`` set by (1) or (2) wins; otherwise it follows Accelerate's ``mixed_precision``
-(``Accelerator(mixed_precision=...)``, else the launch config / ``--mixed_precision``): ``no`` ->
-``32-true``, ``bf16`` -> ``bf16-mixed``, ``fp16`` -> ``16-mixed``. An explicit precision that
-contradicts a non-``no`` mixed_precision is an error. fp16 loss scaling is the engine's
-(``LossScaleConfig``), not a ``GradScaler``; Accelerate's own autocast is never switched on.
-
-A bad plugin config (unknown key, wrong type, invalid value) raises ``ValueError`` naming the
-key and the file when the plugin is built, before any process group, model or data exists.
-
-Differences from plain Accelerate, all because the state is sharded:
-
-- ``clip_grad_norm_`` on a micro-batch that does not synchronise returns None and clips nothing
-  (DDP would clip the local partial gradient); guard it with ``if accelerator.sync_gradients``.
-- ``get_state_dict``, ``save_model``, ``save_state``, ``load_state`` and the prepared model's
-  ``state_dict()`` are collectives: call them on every rank. So are ``optimizer.state_dict()``
-  (the whole state in torch's format) and ``load_state_dict()`` of the model and optimizer;
-  ``save_state``/``load_state`` keep the state sharded.
-- ``save_state`` writes Accelerate's own files (schedulers, samplers, RNG per rank, step,
-  registered objects) and the engine's sharded checkpoint in ``zero_checkpoint/``, then waits
-  for every rank. The engine part loads on any world size and stage.
-- One ZeRO model per accelerator, prepared together with its optimizer(s); other models (e.g.
-  a frozen teacher) get Accelerate's usual preparation. Accelerate's dynamo settings are not
-  applied to the ZeRO model.
-
-Not about sharding: ``skip_first_batches`` returns a loader whose iterator does not draw from
-the global torch generator, so a mid-epoch resume repeats the uninterrupted run's dropout masks
-(plain Accelerate's draws once after ``load_state`` restored the generator).
-"""
+"""``ZeroAccelerator`` and what its ``prepare`` returns: the model and optimizer wrappers that
+route calls to the engine, the training loop's hooks (``backward``, clipping, ``no_sync``),
+weights and Accelerate's state folder with the engine's sharded checkpoint in it. The options
+come from ``plugin.py``; the state folder's files are checked by ``state.py``."""
 
 from __future__ import annotations
 
@@ -76,191 +9,33 @@ import contextlib
 import datetime
 import os
 import re
-import types
-import typing
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DynamoBackend, InitProcessGroupKwargs, convert_to_fp32
-from accelerate.utils import load as accelerate_load
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..checkpoint import read as checkpoint_read
-from ..checkpoint.dcp import dcp_directories
-from ..checkpoint.verify import member, refusal
-from ..checkpoint.write import CheckpointError
-from ..comm import collectives
-from ..config import PRECISIONS, LossScaleConfig, ZeroConfig
-from ..engine import ZeroEngine
-from .step_turns import StepTurns
-
-CONFIG_ENV = "ZERO_STRATEGY_CONFIG"
-"""Environment variable naming the plugin config file (a YAML mapping of ZeroConfig fields)."""
-
-CHECKPOINT_SUBDIR = "zero_checkpoint"
-"""Where ``save_state`` puts the engine's sharded checkpoint inside Accelerate's state folder."""
-CHECKPOINT_TAG = "state"
-"""The engine checkpoint's tag: a second save into the same folder replaces the first."""
-
-# Accelerate's mixed_precision names and the engine precision each one means by default.
-_FROM_ACCELERATE = {"no": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
-# Explicit engine precisions that agree with each Accelerate setting ("no" leaves it to us).
-COMPATIBLE_PRECISIONS = {"no": set(PRECISIONS), "bf16": {"bf16-mixed", "bf16-true"},
-                         "fp16": {"16-mixed"}}
-
-
-# ---------------------------------------------------------------------------------- plugin
-class ZeroPlugin:
-    """ZeRO options for ``ZeroAccelerator``: a plugin config file and/or keyword arguments.
-
-    ``ZeroPlugin(**options)`` takes ``ZeroConfig`` fields from code only;
-    ``ZeroPlugin.from_config(path=None, **overrides)`` reads the file (``path``, else
-    ``$ZERO_STRATEGY_CONFIG``, else none) and lets keyword arguments override it. Values are
-    checked here, so a bad config fails before training starts.
-    """
-
-    def __init__(self, config_file: str | os.PathLike[str] | None = None, **options: Any) -> None:
-        self.config_file = None if config_file is None else str(config_file)
-        self.file_options = {} if config_file is None else read_plugin_file(config_file)
-        check_option_types(options, "ZeroPlugin(...) arguments")
-        self.code_options = dict(options)
-        self.options = {**self.file_options, **self.code_options}
-        self.resolve(None)  # validate now; precision is settled once Accelerate's is known
-
-    @classmethod
-    def from_config(cls, path: str | os.PathLike[str] | None = None,
-                    **overrides: Any) -> ZeroPlugin:
-        """Options from ``path`` (else ``$ZERO_STRATEGY_CONFIG``), overridden by ``overrides``."""
-        if path is None:
-            path = os.environ.get(CONFIG_ENV) or None
-        return cls(path, **overrides)
-
-    @property
-    def source(self) -> str:
-        """Where the options came from, for error messages."""
-        if self.config_file is None:
-            return "ZeroPlugin(...) arguments"
-        overridden = sorted(self.code_options)
-        suffix = f" (with code overrides {overridden})" if overridden else ""
-        return f"zero plugin config {self.config_file}{suffix}"
-
-    def resolve(self, mixed_precision: str | None) -> ZeroConfig:
-        """The ``ZeroConfig``, with precision settled against Accelerate's ``mixed_precision``
-        (None: validate only)."""
-        values = dict(self.options)
-        if mixed_precision is not None:
-            values["precision"] = self._precision(mixed_precision)
-        elif "precision" not in values and "loss_scale" in values:
-            values["precision"] = "16-mixed"  # validation only: loss scaling implies fp16 will come
-        try:
-            return ZeroConfig.from_dict(values, source=self.source)
-        except (TypeError, ValueError) as err:
-            message = str(err)
-            if message.startswith(self.source):
-                raise
-            raise ValueError(f"{self.source}: {message}") from None
-
-    def _precision(self, mixed_precision: str) -> str:
-        if mixed_precision not in _FROM_ACCELERATE:
-            raise ValueError(
-                f"Accelerate mixed_precision={mixed_precision!r} is not supported by "
-                f"ZeroAccelerator; use one of {sorted(_FROM_ACCELERATE)}"
-            )
-        explicit = self.options.get("precision")
-        if explicit is None:
-            return _FROM_ACCELERATE[mixed_precision]
-        if explicit in PRECISIONS and explicit not in COMPATIBLE_PRECISIONS[mixed_precision]:
-            raise ValueError(
-                f"{self.source}: precision={explicit!r} contradicts Accelerate's "
-                f"mixed_precision={mixed_precision!r}; drop one of them or make them agree "
-                f"(with {mixed_precision!r}: {sorted(COMPATIBLE_PRECISIONS[mixed_precision])})"
-            )
-        return explicit
-
-    def __repr__(self) -> str:
-        return f"ZeroPlugin(source={self.source!r}, options={self.options!r})"
-
-
-def read_plugin_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The plugin config file as a dict of ZeroConfig fields, keys and types checked."""
-    named_by = f" (named by ${CONFIG_ENV})" if os.environ.get(CONFIG_ENV) == str(path) else ""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"zero plugin config {path}{named_by} does not exist") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ValueError(f"zero plugin config {path}: not valid YAML: {err}") from None
-    data = {} if data is None else data
-    if not isinstance(data, dict):
-        raise ValueError(
-            f"zero plugin config {path}: expected a mapping of ZeroConfig fields, "
-            f"got {type(data).__name__}"
-        )
-    check_option_types(data, f"zero plugin config {path}")
-    return data
-
-
-def check_option_types(values: dict[str, Any], source: str) -> None:
-    """Unknown keys and wrong types, named with ``source``: YAML gives strings and floats
-    where ZeroConfig's own checks would accept a look-alike (``stage: 3.0``)."""
-    _check_fields(values, ZeroConfig, source, prefix="")
-
-
-def _check_fields(values: dict[str, Any], cls: type, source: str, prefix: str) -> None:
-    hints = typing.get_type_hints(cls)
-    for key, value in values.items():
-        name = f"{prefix}{key}"
-        if key not in hints:
-            raise ValueError(f"{source}: unknown key {name!r}; allowed keys: {sorted(hints)}")
-        expected = hints[key]
-        if expected is LossScaleConfig:
-            if isinstance(value, dict):
-                _check_fields(value, LossScaleConfig, source, prefix=f"{name}.")
-            elif not isinstance(value, LossScaleConfig):
-                raise ValueError(f"{source}: {name} must be a mapping, got {value!r}")
-            continue
-        if not _matches(value, expected):
-            raise ValueError(
-                f"{source}: {name} must be of type {_type_name(expected)}, "
-                f"got {value!r} ({type(value).__name__})"
-            )
-
-
-def _matches(value: Any, expected: Any) -> bool:
-    options = typing.get_args(expected) if isinstance(expected, types.UnionType) else (expected,)
-    for option in options:
-        if option is type(None) and value is None:
-            return True
-        if option is bool and isinstance(value, bool):
-            return True
-        if option is int and isinstance(value, int) and not isinstance(value, bool):
-            return True
-        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return True
-        if option is str and isinstance(value, str):
-            return True
-        if typing.get_origin(option) is tuple and isinstance(value, (list, tuple)):
-            # tuple[str, ...]: a YAML list of class names (unit_leaf_classes, ...)
-            item = typing.get_args(option)[0]
-            if all(_matches(v, item) for v in value):
-                return True
-    return False
-
-
-def _type_name(expected: Any) -> str:
-    options = typing.get_args(expected) if isinstance(expected, types.UnionType) else (expected,)
-    return " | ".join("None" if o is type(None)
-                      else f"list of {typing.get_args(o)[0].__name__}"
-                      if typing.get_origin(o) is tuple else o.__name__ for o in options)
+from ...checkpoint import read as checkpoint_read
+from ...checkpoint.dcp import dcp_directories
+from ...checkpoint.verify import member
+from ...checkpoint.write import CheckpointError
+from ...comm import collectives
+from ...engine import ZeroEngine
+from ..step_turns import StepTurns
+from .plugin import ZeroPlugin
+from .state import (
+    CHECKPOINT_SUBDIR,
+    CHECKPOINT_TAG,
+    check_state_folder,
+    custom_states_from,
+    read_custom_states,
+)
 
 
 # ---------------------------------------------------------------------------------- wrappers
@@ -593,11 +368,11 @@ class ZeroAccelerator(Accelerator):
         if self._zero_model is None:
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
         folder = Path(self._checkpoint_dir(input_dir))
-        _check_state_folder(folder)
-        custom = _read_custom_states(folder, len(self._custom_objects))
+        check_state_folder(folder)
+        custom = read_custom_states(folder, len(self._custom_objects))
 
         def restore_accelerate() -> None:
-            with self._zero_objects_hidden(), _custom_states_from(custom):
+            with self._zero_objects_hidden(), custom_states_from(custom):
                 Accelerator.load_state(self, str(folder), load_kwargs, **load_model_func_kwargs)
 
         self.load_zero_checkpoint(folder, then=restore_accelerate)
@@ -678,61 +453,6 @@ def _model_of(args: tuple[Any, ...], optimizer: int, models: list[int]) -> int:
             f"prepare() got an optimizer ({type(args[optimizer]).__name__}, argument "
             f"{optimizer}) but not the model it was built on; pass them in the same call")
     return owners[0]
-
-
-# The files Accelerate's load_state reads from a state folder, by name.
-_ACCELERATE_FILES = re.compile(
-    r"(model|pytorch_model|optimizer|scheduler|sampler|dl_state_dict)(_\d+)?\.(bin|safetensors)"
-    r"|random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl|scaler\.pt")
-
-
-def _check_state_folder(folder: Path) -> None:
-    """Each file Accelerate will read is a regular file inside the folder: no link out of it,
-    no FIFO or device (reading ``/dev/zero`` never ends). What those files contain is read by
-    Accelerate (``weights_only=True``, except registered objects: see ``_read_custom_states``)."""
-    for entry in folder.iterdir():
-        if _ACCELERATE_FILES.fullmatch(entry.name):
-            member(folder, entry, f"Accelerate state file {entry.name!r}")
-
-
-def _read_custom_states(folder: Path, count: int) -> list[Any]:
-    """The states of the ``count`` registered objects, unpickled with ``weights_only=True``
-    (tensors, numbers, strings, containers: no code runs); a file that needs more is refused."""
-    states = []
-    for index in range(count):
-        file = folder / f"custom_checkpoint_{index}.pkl"
-        if not file.exists() and not file.is_symlink():
-            states.append(None)  # Accelerate's own count check reports it
-            continue
-        member(folder, file, f"registered object {index}'s state")
-        try:
-            states.append(accelerate_load(file, map_location="cpu", weights_only=True))
-        except Exception as e:  # the restricted unpickler refused something: never retried
-            raise CheckpointError(
-                f"{file}: refused: cannot be unpickled with weights_only=True ({refusal(e)}). "
-                "Accelerate would load it with weights_only=False, which runs any code the "
-                "file holds; a registered object's state_dict() must hold plain data "
-                "(tensors, numbers, strings, lists, dicts)") from e
-    return states
-
-
-@contextlib.contextmanager
-def _custom_states_from(states: list[Any]) -> Iterator[None]:
-    """Accelerate (1.x) unpickles registered objects' files with ``weights_only=False``.
-    For the duration of one ``load_state`` its loader hands out the states read safely
-    beforehand instead (``accelerate.accelerator`` calls it by this module-level name)."""
-    import accelerate.accelerator as accelerator_module
-
-    original = accelerator_module.load_custom_state
-
-    def load(obj: Any, path: str, index: int = 0) -> None:
-        obj.load_state_dict(states[index])
-
-    accelerator_module.load_custom_state = load
-    try:
-        yield
-    finally:
-        accelerator_module.load_custom_state = original
 
 
 def _seed_workers_from_a_copy(loader: Any) -> None:
