@@ -20,7 +20,8 @@ pytest.importorskip("accelerate")
 
 from torch import nn  # noqa: E402
 
-from zero_strategy.integrations import accelerate as zero_accelerate  # noqa: E402
+from zero_strategy.integrations.accelerate import accelerator as zero_accelerator  # noqa: E402
+from zero_strategy.integrations.accelerate import plugin as zero_plugin  # noqa: E402
 from zero_strategy.integrations.hf import compat  # noqa: E402
 from zero_strategy.integrations.hf import trainer as zero_trainer  # noqa: E402
 
@@ -108,7 +109,8 @@ def _framework_classes(cls: type) -> list[type]:
 
 def _our_subclasses() -> list[type]:
     found = []
-    for module in (zero_trainer, zero_accelerate):
+    # Accelerate's adapter is a package: each module that defines classes is scanned.
+    for module in (zero_trainer, zero_accelerator, zero_plugin):
         for value in vars(module).values():
             if (isinstance(value, type) and value.__module__ == module.__name__
                     and _framework_classes(value)):
