@@ -8,8 +8,8 @@ Layers, top to bottom (``docs/architecture.md``): ``integrations`` -> ``engine``
 
 from .activation_memory import ActivationEstimate, BlockActivations, estimate_activations
 from .checkpoint.convert import convert
+from .checkpoint.errors import CheckpointError
 from .checkpoint.read import consolidate, open_reader, write_consolidated
-from .checkpoint.write import CheckpointError
 from .config import LossScaleConfig, ZeroConfig
 from .core.materialize import meta_init
 from .core.runtime import GatherOrderError

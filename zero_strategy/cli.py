@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from .activation_memory import FAMILIES, estimate_activations
+from .checkpoint.errors import CheckpointError
 from .checkpoint.read import write_consolidated
-from .checkpoint.write import CheckpointError
 from .config import PRECISIONS
 from .memory import estimate_memory
 

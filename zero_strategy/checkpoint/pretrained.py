@@ -6,10 +6,10 @@ shards (and whole tensors for what the engine keeps whole: buffers, frozen param
 from the safetensors files with seek + readinto, so no rank ever holds the whole model.
 
 The folder is presented to the loader as one more ``ReaderBase`` source and written by the same
-``read._stage`` / ``read._commit`` as every checkpoint: everything is checked first (the index,
-each file a regular member of the folder, every header against the file's size, every key's
-shape and dtype against the model), everything this rank writes is read next, and only then,
-every rank having agreed, is the engine changed. At engine construction, where the masters
+``read.stage_load`` / ``read.commit_load`` as every checkpoint: everything is checked first (the
+index, each file a regular member of the folder, every header against the file's size, every
+key's shape and dtype against the model), everything this rank writes is read next, and only
+then, every rank having agreed, is the engine changed. At engine construction, where the masters
 hold nothing yet, each range is read straight into place instead (``PretrainedSource``): a
 rank's peak is then its shards plus one piece, not a second copy of them.
 
@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
-from .read import SafetensorsFile, _commit, _on_all_ranks, _stage
+from .errors import CheckpointError
+from .read import SafetensorsFile, commit_load, on_all_ranks, stage_load
 from .source import ReaderBase, foreign_manifest
 from .verify import member, plain_name, read_header
-from .write import CheckpointError
 
 if TYPE_CHECKING:
     from ..engine import ZeroEngine
@@ -295,7 +295,7 @@ def module_entries(module: nn.Module, root: str = "",
 
 # ---------------------------------------------------------------------------- the source
 class PretrainedSource(ReaderBase):
-    """The folder in the shape ``read._stage`` reads: the engine's parameters by name, by
+    """The folder in the shape ``read.stage_load`` reads: the engine's parameters by name, by
     element range, each cast to the dtype the model gave it (then to the master's, as a
     model loaded whole and then wrapped would be), and whole module tensors by key.
 
@@ -333,7 +333,7 @@ class PretrainedSource(ReaderBase):
         if target.device.type == "cpu" and target.dtype == stored == dtype:
             return self.folder.read(self.sources[name], start, end, out=target).reshape(-1)
         target.copy_(self.folder.read(self.sources[name], start, end).reshape(-1).to(dtype))
-        return target  # _commit copies it onto itself
+        return target  # commit_load copies it onto itself
 
     def module_info(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
         return self.dtypes[key], self.folder.info(self.sources[key])[1]
@@ -408,7 +408,7 @@ def load(engine: ZeroEngine, path: str | os.PathLike | PretrainedFolder, *,
          key_map: KeyMap | None = None, strict: bool = True,
          dtypes: dict[str, torch.dtype] | None = None) -> LoadResult:
     """Load the folder's weights into ``engine`` (every rank calls this): validate on every
-    rank, read this rank's ranges on every rank, agree, then write (``read._commit``). The
+    rank, read this rank's ranges on every rank, agree, then write (``read.commit_load``). The
     engine's step counters and optimizer state stay as they are. ``dtypes``: the dtype each
     key had in the model before the engine cast it (buffers); managed parameters' are known."""
     if key_map is None:
@@ -420,10 +420,10 @@ def load(engine: ZeroEngine, path: str | os.PathLike | PretrainedFolder, *,
 def _load(engine: ZeroEngine, path: str | os.PathLike | PretrainedFolder, key_map: KeyMap,
           strict: bool, dtypes: dict[str, torch.dtype], *, in_place: bool) -> Resolution:
     comm = engine.comm
-    source, found = _on_all_ranks(comm, lambda: _source(
+    source, found = on_all_ranks(comm, lambda: _source(
         engine, open_folder(path), key_map, dtypes, strict, in_place))
-    staged = _on_all_ranks(comm, lambda: _stage(engine, source, False, None))
-    _commit(engine, staged, False)
+    staged = on_all_ranks(comm, lambda: stage_load(engine, source, False, None))
+    commit_load(engine, staged, False)
     return found
 
 

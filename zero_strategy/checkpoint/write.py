@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 from ..core.flat import FlatLayout, Slot
 from ..optim.owner import OwnerPart
 from ..optim.state import hyperparameters, local_records
+from .errors import CheckpointError
 
 if TYPE_CHECKING:
     from ..engine import ZeroEngine
@@ -49,10 +50,6 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 MODULE_FILE = "module.safetensors"
 CLIENT_FILE = "client_state.pt"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded as asked; the message names the file and the cause."""
 
 
 def shard_file(index: int) -> str:
@@ -70,7 +67,7 @@ def old_name(tag: str) -> str:
 
 
 # ---------------------------------------------------------------------------- small helpers
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -78,7 +75,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -100,7 +97,7 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -121,10 +118,10 @@ def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, Any
     save_file(out, str(path))
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
-def _layout_json(layout: FlatLayout) -> dict[str, Any]:
+def layout_json(layout: FlatLayout) -> dict[str, Any]:
     return {
         "num_shards": layout.num_shards,
         "shard_numel": layout.shard_numel,
@@ -133,7 +130,7 @@ def _layout_json(layout: FlatLayout) -> dict[str, Any]:
     }
 
 
-def _layout_from_json(data: dict[str, Any]) -> FlatLayout:
+def layout_from_json(data: dict[str, Any]) -> FlatLayout:
     slots = tuple(Slot(n, tuple(shape), off, numel, g) for n, shape, off, numel, g in data["slots"])
     layout = FlatLayout(slots, data["num_shards"], data.get("shard_align", 1))
     if layout.shard_numel != data["shard_numel"]:
@@ -284,7 +281,7 @@ def recover(root: Path) -> None:
                 _remove(entry)
             else:
                 os.replace(entry, tag)
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def _remove(path: Path) -> None:
@@ -313,13 +310,13 @@ def _publish(root: Path, tmp: Path, tag: str) -> None:
         _reached("old-moved")
         os.replace(tmp, final)
         _reached("new-moved")
-        _fsync_dir(root)
+        fsync_dir(root)
         _remove(old)
         _reached("old-removed")
     else:
         os.replace(tmp, final)
         _reached("new-moved")
-    _fsync_dir(root)
+    fsync_dir(root)
     write_atomic(root / LATEST, tag.encode())
     _reached("latest-written")
 
@@ -370,7 +367,7 @@ def _save_client_state(state: dict[str, Any], path: Path) -> dict[str, Any]:
     torch.save(state, path)  # inside the temporary tag: published with it or not at all
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
 def _manifest(engine: ZeroEngine, tag: str, merged: dict[str, Any], client: bool) -> dict:
@@ -392,7 +389,7 @@ def _manifest(engine: ZeroEngine, tag: str, merged: dict[str, Any], client: bool
         "params": params, "aliases": aliases,
         "param_groups": hyperparameters(engine.user_optimizer),
         "state_dict_keys": list(engine.module.state_dict(keep_vars=True)),
-        "units": [_layout_json(u.layout) for u in engine.units],
+        "units": [layout_json(u.layout) for u in engine.units],
         "state_keys": sorted(merged["state_keys"]), "param_states": merged["param_states"],
         "files": merged["files"], "client_state": CLIENT_FILE if client else None,
     }
