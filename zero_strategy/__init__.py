@@ -6,7 +6,6 @@ Layers, top to bottom (``docs/architecture.md``): ``integrations`` -> ``engine``
 ``checkpoint`` / ``optim`` / ``offload`` -> ``core`` -> ``comm`` -> ``config``.
 """
 
-from .activation_memory import ActivationEstimate, BlockActivations, estimate_activations
 from .checkpoint.convert import convert
 from .checkpoint.errors import CheckpointError
 from .checkpoint.read import consolidate, open_reader, write_consolidated
@@ -15,7 +14,13 @@ from .core.materialize import meta_init
 from .core.runtime import GatherOrderError
 from .engine import ZeroEngine
 from .integrations.registration import register_if_lightning_imported, register_strategies
-from .memory import MemoryEstimate, estimate_memory
+from .memory import (
+    ActivationEstimate,
+    BlockActivations,
+    MemoryEstimate,
+    estimate_activations,
+    estimate_memory,
+)
 from .optim.combined import CombinedOptimizer
 
 # Lightning has no entry point for strategy names: if this process has imported Lightning,

@@ -41,7 +41,7 @@ from .source import ReaderBase, foreign_manifest
 from .verify import member, plain_name, read_header
 
 if TYPE_CHECKING:
-    from ..engine import ZeroEngine
+    from ..engine_view import EngineView
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -342,7 +342,7 @@ class PretrainedSource(ReaderBase):
         return self.folder.read(self.sources[key]).to(self.dtypes[key])
 
 
-def _in_place(engine: ZeroEngine) -> dict[str, tuple[torch.Tensor, int]]:
+def _in_place(engine: EngineView) -> dict[str, tuple[torch.Tensor, int]]:
     """Where each parameter's element 0 would sit in this rank's master shard (negative when
     it starts in an earlier shard), after every copy still reading the masters finished."""
     engine.runtime.settle()
@@ -357,7 +357,7 @@ def _in_place(engine: ZeroEngine) -> dict[str, tuple[torch.Tensor, int]]:
     return out
 
 
-def _engine_entries(engine: ZeroEngine, root: str, dtypes: dict[str, torch.dtype]
+def _engine_entries(engine: EngineView, root: str, dtypes: dict[str, torch.dtype]
                     ) -> tuple[dict[str, tuple[int, torch.Size, torch.dtype]], dict[int, str]]:
     """The engine module's keys under ``root`` with the shapes and dtypes the model had before
     wrapping (a stage-3 parameter's own tensor is empty now), and each managed parameter's
@@ -368,12 +368,12 @@ def _engine_entries(engine: ZeroEngine, root: str, dtypes: dict[str, torch.dtype
     out = {}
     for key, t in engine.module.state_dict(keep_vars=True).items():
         if key.startswith(root):
-            dtype = engine._original_dtypes.get(id(t), dtypes.get(key, t.dtype))
+            dtype = engine.original_dtypes.get(id(t), dtypes.get(key, t.dtype))
             out[key[len(root):]] = (id(t), shapes.get(id(t), t.shape), dtype)
     return out, names
 
 
-def _source(engine: ZeroEngine, folder: PretrainedFolder, key_map: KeyMap,
+def _source(engine: EngineView, folder: PretrainedFolder, key_map: KeyMap,
             dtypes: dict[str, torch.dtype], strict: bool, in_place: bool
             ) -> tuple[PretrainedSource, Resolution]:
     entries, names = _engine_entries(engine, key_map.root, dtypes)
@@ -404,7 +404,7 @@ def _source(engine: ZeroEngine, folder: PretrainedFolder, key_map: KeyMap,
     return PretrainedSource(folder, manifest, sources, manifest_dtypes, into), found
 
 
-def load(engine: ZeroEngine, path: str | os.PathLike | PretrainedFolder, *,
+def load(engine: EngineView, path: str | os.PathLike | PretrainedFolder, *,
          key_map: KeyMap | None = None, strict: bool = True,
          dtypes: dict[str, torch.dtype] | None = None) -> LoadResult:
     """Load the folder's weights into ``engine`` (every rank calls this): validate on every
@@ -417,7 +417,7 @@ def load(engine: ZeroEngine, path: str | os.PathLike | PretrainedFolder, *,
     return LoadResult(found.missing, found.unexpected)
 
 
-def _load(engine: ZeroEngine, path: str | os.PathLike | PretrainedFolder, key_map: KeyMap,
+def _load(engine: EngineView, path: str | os.PathLike | PretrainedFolder, key_map: KeyMap,
           strict: bool, dtypes: dict[str, torch.dtype], *, in_place: bool) -> Resolution:
     comm = engine.comm
     source, found = on_all_ranks(comm, lambda: _source(
@@ -461,7 +461,7 @@ def pending(model: nn.Module) -> list[tuple[str, PretrainedSpec]]:
             if (spec := _REGISTERED.get(sub)) is not None and not spec.loaded]
 
 
-def load_pending(engine: ZeroEngine, found: list[tuple[str, PretrainedSpec]]) -> None:
+def load_pending(engine: EngineView, found: list[tuple[str, PretrainedSpec]]) -> None:
     """The load at the end of ``ZeroEngine.__init__``: each pending model's folder, with the
     key map it was built with; keys missing from the folder keep the values the engine's
     materialisation gave them (the model's own init; reported when the model was built).

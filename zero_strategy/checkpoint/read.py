@@ -48,7 +48,7 @@ from .write import (
 
 if TYPE_CHECKING:
     from ..comm.collectives import Communicator
-    from ..engine import ZeroEngine
+    from ..engine_view import EngineView
 
 
 class SafetensorsFile:
@@ -197,7 +197,7 @@ class CheckpointReader(ReaderBase):
 
 
 # ------------------------------------------------------------------------ loading an engine
-def load(engine: ZeroEngine, directory: str | os.PathLike, *, tag: str | None = None,
+def load(engine: EngineView, directory: str | os.PathLike, *, tag: str | None = None,
          load_optimizer: bool = True,
          before_commit: Callable[[dict[str, Any] | None, str], None] | None = None,
          trust_pickles: bool | None = None) -> dict[str, Any] | None:
@@ -256,7 +256,7 @@ def open_reader(directory: str | os.PathLike, tag: str | None = None, *,
     return CheckpointReader(resolve(directory, tag))
 
 
-def _open_checked(engine: ZeroEngine, directory: str | os.PathLike, tag: str | None,
+def _open_checked(engine: EngineView, directory: str | os.PathLike, tag: str | None,
                   load_optimizer: bool, trust_pickles: bool | None = None) -> ReaderBase:
     reader = open_reader(directory, tag, trust=trust_pickles)
     _check_same_model(engine, reader)
@@ -264,7 +264,7 @@ def _open_checked(engine: ZeroEngine, directory: str | os.PathLike, tag: str | N
     return reader
 
 
-def _check_same_model(engine: ZeroEngine, reader: ReaderBase) -> None:
+def _check_same_model(engine: EngineView, reader: ReaderBase) -> None:
     saved = {n: tuple(v["shape"]) for n, v in reader.manifest["params"].items()}
     current = {slot.name: slot.shape for u in engine.units for slot in u.layout.slots}
     saved_module = set(reader.manifest["state_dict_keys"]) - set(reader.manifest["aliases"])
@@ -298,7 +298,7 @@ def _fits(info: tuple[torch.dtype, tuple[int, ...]], tensor: torch.Tensor) -> bo
     return shape == tuple(tensor.shape) and same_kind
 
 
-def _check_loadable(engine: ZeroEngine, reader: ReaderBase, load_optimizer: bool) -> None:
+def _check_loadable(engine: EngineView, reader: ReaderBase, load_optimizer: bool) -> None:
     """What the commit will apply besides tensors, tried on copies: the optimizer, its
     hyperparameters and the loss scaler's state."""
     manifest = reader.manifest
@@ -332,7 +332,7 @@ def _check_loadable(engine: ZeroEngine, reader: ReaderBase, load_optimizer: bool
         _try(file, "engine.loss_scaler", lambda: copy.deepcopy(scaler).load_state_dict(state))
 
 
-def _check_foreign_optimizer(engine: ZeroEngine, reader: ReaderBase) -> None:
+def _check_foreign_optimizer(engine: EngineView, reader: ReaderBase) -> None:
     """Another system's checkpoint does not name its optimizer class: the saved
     hyperparameter names and state names must be this optimizer's (Adam's moments do not
     load into SGD), and there must be as many param groups."""
@@ -383,7 +383,7 @@ def _try(file: Path, field: str, action: Callable[[], None]) -> None:
                               "or forged manifest") from e
 
 
-def _verify_share(engine: ZeroEngine, reader: ReaderBase) -> None:
+def _verify_share(engine: EngineView, reader: ReaderBase) -> None:
     """This rank's share of the hashing: file i is hashed by rank i mod world size."""
     comm = engine.comm
     files = sorted(reader.manifest["files"])
@@ -409,7 +409,7 @@ class Staged:
         return self.ranges[(name, key, start, end)]  # staged from the same requests
 
 
-def stage_load(engine: ZeroEngine, reader: ReaderBase, load_optimizer: bool,
+def stage_load(engine: EngineView, reader: ReaderBase, load_optimizer: bool,
                 before_commit: Callable[[dict[str, Any] | None, str], None] | None) -> Staged:
     """Read what this rank will write: its master pieces, the module's buffers, its optimizer
     state ranges, the client state. Costs one more copy of the rank's shard until commit."""
@@ -433,7 +433,7 @@ def stage_load(engine: ZeroEngine, reader: ReaderBase, load_optimizer: bool,
     return Staged(reader, masters, module, records, ranges, client)
 
 
-def commit_load(engine: ZeroEngine, staged: Staged, load_optimizer: bool) -> None:
+def commit_load(engine: EngineView, staged: Staged, load_optimizer: bool) -> None:
     """Write what ``stage_load`` read. Nothing here reads a file or can find a problem."""
     manifest = staged.reader.manifest
     engine.runtime.settle()

@@ -38,7 +38,7 @@ from ..optim.state import hyperparameters, local_records
 from .errors import CheckpointError
 
 if TYPE_CHECKING:
-    from ..engine import ZeroEngine
+    from ..engine_view import EngineView
 
 FORMAT = "zero_strategy.checkpoint"
 VERSION = 4
@@ -140,7 +140,7 @@ def layout_from_json(data: dict[str, Any]) -> FlatLayout:
 
 
 # ---------------------------------------------------------------------------- saving
-def save(engine: ZeroEngine, directory: str | os.PathLike, *, tag: str | None = None,
+def save(engine: EngineView, directory: str | os.PathLike, *, tag: str | None = None,
          client_state: dict[str, Any] | None = None) -> Path:
     """Every rank calls this; returns the path of the written tag directory.
 
@@ -177,7 +177,7 @@ def save(engine: ZeroEngine, directory: str | os.PathLike, *, tag: str | None = 
     return root / tag
 
 
-def _write_rank_files(engine: ZeroEngine, tmp: Path, client_state: dict[str, Any] | None,
+def _write_rank_files(engine: EngineView, tmp: Path, client_state: dict[str, Any] | None,
                       owned: dict[str, torch.Tensor]
                       ) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """This rank's shard file (and on rank 0 the module and client files): their sizes and
@@ -204,7 +204,7 @@ def _write_rank_files(engine: ZeroEngine, tmp: Path, client_state: dict[str, Any
     return files, records, state_keys
 
 
-def _finish(engine: ZeroEngine, root: Path, tmp: Path, tag: str, gathered: list[Any],
+def _finish(engine: EngineView, root: Path, tmp: Path, tag: str, gathered: list[Any],
             client: bool) -> None:
     """Rank 0, once every rank's files are written: the manifest, then publish."""
     merged: dict[str, Any] = {"files": {}, "param_states": {}, "state_keys": set()}
@@ -322,7 +322,7 @@ def _publish(root: Path, tmp: Path, tag: str) -> None:
 
 
 def _shard_tensors(
-    engine: ZeroEngine,
+    engine: EngineView,
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
     """This rank's master shards and parameter-sized optimizer states, one flat tensor per
     unit and key (laid out like the master), and the per-parameter records of which states
@@ -343,7 +343,7 @@ def whole_key(name: str, key: str) -> str:
     return f"w.{name}.{key}"
 
 
-def _owned_states(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+def _owned_states(engine: EngineView) -> dict[str, torch.Tensor]:
     """The whole state tensors this rank's shard file stores: its own owned ones, or with an
     unsharded optimizer (one file, rank 0's) every rank's, sent to rank 0."""
     local = {whole_key(name, key): value.detach().cpu()
@@ -358,7 +358,7 @@ def _owned_states(engine: ZeroEngine) -> dict[str, torch.Tensor]:
     return merged if engine.comm.rank == 0 else {}
 
 
-def optimizer_name(engine: ZeroEngine) -> str:
+def optimizer_name(engine: EngineView) -> str:
     """The optimizer classes, as the manifest records them ("Muon+AdamW" for several)."""
     return "+".join(type(o).__name__ for o in engine.user_optimizers)
 
@@ -370,7 +370,7 @@ def _save_client_state(state: dict[str, Any], path: Path) -> dict[str, Any]:
     return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
-def _manifest(engine: ZeroEngine, tag: str, merged: dict[str, Any], client: bool) -> dict:
+def _manifest(engine: EngineView, tag: str, merged: dict[str, Any], client: bool) -> dict:
     params = {}
     for unit in engine.units:
         for slot in unit.layout.slots:
