@@ -94,8 +94,8 @@ from torch.utils.data import DataLoader
 
 from ..checkpoint import read as checkpoint_read
 from ..checkpoint.dcp import dcp_directories
-from ..checkpoint.errors import CheckpointError
 from ..checkpoint.verify import member, refusal
+from ..checkpoint.write import CheckpointError
 from ..comm import collectives
 from ..config import PRECISIONS, LossScaleConfig, ZeroConfig
 from ..engine import ZeroEngine

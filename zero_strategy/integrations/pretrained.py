@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoint.errors import CheckpointError
 from ..checkpoint.pretrained import (
     KeyMap,
     PretrainedFolder,
@@ -40,6 +39,7 @@ from ..checkpoint.pretrained import (
     spec_of,
     warn_keys,
 )
+from ..checkpoint.write import CheckpointError
 from ..comm.collectives import default_device, group_backend
 from ..core.materialize import meta_init, set_module_init
 from . import require
