@@ -23,6 +23,7 @@ from ..checkpoint import write as checkpoint_write
 from ..config import ZeroConfig
 from ..core.materialize import InitFn
 from ..memory import report as memory_report
+from ..optim.combined import parts as optimizer_parts
 from . import setup, state
 from . import step as training
 from .parts import EngineParts
@@ -133,6 +134,16 @@ class ZeroEngine(EngineParts):
         return self.access.gathered(target, writable, modifier_rank)
 
     # ------------------------------------------------------------------ state
+    @property
+    def user_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The user's optimizers: the one given, or the parts of several."""
+        return optimizer_parts(self.user_optimizer)
+
+    def settle_tier(self) -> None:
+        """Disk tier: wait for its reads and write-backs before code that writes the state
+        outside the step (a load): a write racing one is refused by the tier with a fault."""
+        state.settle_tier(self)
+
     def unmanaged_state(self) -> dict[str, torch.Tensor]:
         """The module's buffers and frozen parameters, by state_dict key (kept whole)."""
         return state.unmanaged_state(self)

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..core.units import UnitComms
-from ..optim.combined import parts as optimizer_parts
 
 if TYPE_CHECKING:
     import torch
@@ -77,21 +76,10 @@ class EngineParts:
     _buffers: list[torch.Tensor]
     _optimizer_signature: tuple[int, ...]
 
-    @property
-    def user_optimizers(self) -> list[torch.optim.Optimizer]:
-        """The user's optimizers: the one given, or the parts of several."""
-        return optimizer_parts(self.user_optimizer)
-
     def check_open(self, what: str) -> None:
         if self._closed:
             raise RuntimeError(f"engine.{what}(): the engine was closed; the module is a plain "
                                "nn.Module again (build a new ZeroEngine to keep training)")
-
-    def settle_tier(self) -> None:
-        """Disk tier: wait for its reads and write-backs before code that writes the state
-        outside the step (a load): a write racing one is refused by the tier with a fault."""
-        if self.tier is not None:
-            self.tier.drain()
 
     def unit_comms(self) -> UnitComms:
         return UnitComms(shards=self.shards, world=self.comm, replicas=self.replicas)

@@ -15,6 +15,11 @@ from ..optim.state import UserOptimizerPatch, full_state_dict, load_full_state_d
 from .parts import EngineParts
 
 
+def settle_tier(parts: EngineParts) -> None:
+    if parts.tier is not None:
+        parts.tier.drain()
+
+
 def unmanaged_state(parts: EngineParts) -> dict[str, torch.Tensor]:
     managed = {id(p) for u in parts.units for p in u.params}
     return {k: v for k, v in parts.module.state_dict(keep_vars=True).items()
@@ -40,7 +45,7 @@ def full_module_state(parts: EngineParts) -> dict[str, torch.Tensor]:
 def load_module_state(parts: EngineParts, state_dict: dict[str, torch.Tensor],
                       strict: bool) -> Any:
     parts.check_open("load_state_dict")
-    parts.settle_tier()
+    settle_tier(parts)
     place = parts.access.place
     expected = {k: (place[id(v)][0].layout.slots[place[id(v)][1]].shape if id(v) in place
                     else tuple(v.shape))
@@ -76,7 +81,7 @@ def _part_saver(parts: EngineParts, k: int) -> Callable[[], dict[str, Any]]:
 def _part_loader(parts: EngineParts, k: int) -> Callable[[dict[str, Any]], None]:
     def load(state_dict: dict[str, Any]) -> None:
         parts.check_open("optimizer.load_state_dict")
-        parts.settle_tier()
+        settle_tier(parts)
         load_full_state_dict(parts.optimizer.parts[k], parts.param_names, state_dict)
     return load
 

@@ -11,6 +11,7 @@ import torch
 from torch.profiler import record_function
 
 from ..core.units import build_units
+from ..optim.combined import parts as optimizer_parts
 from .parts import EngineParts
 from .setup import managed_parameters, signature
 
@@ -118,7 +119,8 @@ def step(parts: EngineParts) -> bool:
         refresh_compute_copies(parts)
     # torch's LR schedulers warn unless the optimizer they wrap was stepped; the engine
     # steps its inner copy (or skips), so record the call on the user's object.
-    for opt in {id(o): o for o in [parts.user_optimizer, *parts.user_optimizers]}.values():
+    user = [parts.user_optimizer, *optimizer_parts(parts.user_optimizer)]
+    for opt in {id(o): o for o in user}.values():
         opt._opt_called = True  # type: ignore[attr-defined]
     return not nonfinite
 
