@@ -69,7 +69,8 @@ class EngineParts:
     num_params: int
     global_step: int
     skipped_steps: int
-    # The step's own bookkeeping, reset by zero_grad.
+    # Bookkeeping moved only by step.py (unscaled, norm: reset by zero_grad; buffers, signature:
+    # refreshed when parameters are adopted) and state.py (closed).
     _unscaled: bool
     _norm: torch.Tensor | None
     _closed: bool
