@@ -6,17 +6,22 @@ Layers, top to bottom (``docs/architecture.md``): ``integrations`` -> ``engine``
 ``checkpoint`` / ``optim`` / ``offload`` -> ``core`` -> ``comm`` -> ``config``.
 """
 
-from .activation_memory import ActivationEstimate, BlockActivations, estimate_activations
 from .checkpoint.convert import convert
+from .checkpoint.errors import CheckpointError
 from .checkpoint.read import consolidate, open_reader, write_consolidated
-from .checkpoint.write import CheckpointError
 from .config import LossScaleConfig, ZeroConfig
 from .core.materialize import meta_init
 from .core.runtime import GatherOrderError
 from .engine import ZeroEngine
 from .integrations.hf import activations as _hf_activations
 from .integrations.registration import register_if_lightning_imported, register_strategies
-from .memory import MemoryEstimate, estimate_memory
+from .memory import (
+    ActivationEstimate,
+    BlockActivations,
+    MemoryEstimate,
+    estimate_activations,
+    estimate_memory,
+)
 from .optim.combined import CombinedOptimizer
 
 # Lightning has no entry point for strategy names: if this process has imported Lightning,

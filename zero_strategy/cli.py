@@ -9,11 +9,10 @@ from typing import Any
 
 import torch
 
-from .activation_memory import FAMILIES, estimate_activations
+from .checkpoint.errors import CheckpointError
 from .checkpoint.read import write_consolidated
-from .checkpoint.write import CheckpointError
 from .config import PRECISIONS
-from .memory import estimate_memory
+from .memory import FAMILIES, estimate_activations, estimate_memory
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

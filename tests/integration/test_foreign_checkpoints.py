@@ -188,7 +188,7 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def _refused(path: Path, marker: Path, client: bool = False) -> None:
-    from zero_strategy.checkpoint.write import CheckpointError
+    from zero_strategy.checkpoint.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match="trust_pickles=True") as error:
         open_reader(path).client_state() if client else consolidate(path)
@@ -234,7 +234,7 @@ def test_hostile_dcp_item_and_lightning_meta_are_refused(written: Path, tmp_path
 def test_opting_in_reads_what_the_allow_list_refuses(written: Path, tmp_path: Path) -> None:
     from argparse import Namespace
 
-    from zero_strategy.checkpoint.write import CheckpointError
+    from zero_strategy.checkpoint.errors import CheckpointError
 
     ckpt = _copy(written / "fsdp2" / "at3", tmp_path / "ckpt")
     torch.save({"hparams": Namespace(lr=1)}, ckpt / "meta.pt")  # harmless, but not allowed
@@ -244,7 +244,7 @@ def test_opting_in_reads_what_the_allow_list_refuses(written: Path, tmp_path: Pa
 
 
 def test_truncated_dcp_data_is_a_clear_error(written: Path, tmp_path: Path) -> None:
-    from zero_strategy.checkpoint.write import CheckpointError
+    from zero_strategy.checkpoint.errors import CheckpointError
 
     ckpt = _copy(written / "fsdp2" / "at3", tmp_path / "ckpt")
     data = ckpt / "__1_0.distcp"
@@ -257,7 +257,7 @@ def test_truncated_dcp_data_is_a_clear_error(written: Path, tmp_path: Path) -> N
 def test_hostile_and_incomplete_deepspeed_files(written: Path, tmp_path: Path) -> None:
     import shutil
 
-    from zero_strategy.checkpoint.write import CheckpointError
+    from zero_strategy.checkpoint.errors import CheckpointError
 
     ckpt = _copy(written / "ds3" / "at3", tmp_path / "ckpt")
     marker = tmp_path / "pwned"
@@ -360,7 +360,7 @@ def test_a_latest_link_out_of_the_directory_is_refused(written: Path, tmp_path: 
     """DeepSpeed's ``latest`` is read like ours: inside the directory, a plain tag name."""
     import shutil
 
-    from zero_strategy.checkpoint.write import CheckpointError
+    from zero_strategy.checkpoint.errors import CheckpointError
 
     ckpt = _copy(written / "fsdp2" / "at3", tmp_path / "ckpt")
     shutil.rmtree(ckpt)

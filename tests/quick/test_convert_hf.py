@@ -18,10 +18,10 @@ from safetensors import safe_open
 from torch import nn
 
 import zero_strategy as zs
+from zero_strategy.checkpoint.errors import CheckpointError
 from zero_strategy.checkpoint.hf import INDEX, WEIGHTS, write_hf
 from zero_strategy.checkpoint.read import CheckpointReader
 from zero_strategy.checkpoint.verify import resolve
-from zero_strategy.checkpoint.write import CheckpointError
 from zero_strategy.comm.collectives import (
     destroy_default_group,
     group_is_initialized,

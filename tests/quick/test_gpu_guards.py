@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 import zero_strategy as zs
 from tests.support.harness import check, run_world
-from zero_strategy import engine
 from zero_strategy.comm.collectives import Communicator, backend_for, default_device
 from zero_strategy.core.devices import canonical_device
+from zero_strategy.engine import setup as engine
 from zero_strategy.optim.sharded import global_norm
 
 

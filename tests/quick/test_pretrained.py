@@ -24,6 +24,7 @@ from torch import nn
 
 from tests.support.harness import check, run_world
 from tests.support.pretrained_files import CASES, broken_folders
+from zero_strategy.checkpoint.errors import CheckpointError
 from zero_strategy.checkpoint.pretrained import (
     KeyMap,
     PretrainedFolder,
@@ -31,7 +32,6 @@ from zero_strategy.checkpoint.pretrained import (
     resolve,
     spec_of,
 )
-from zero_strategy.checkpoint.write import CheckpointError
 
 transformers = pytest.importorskip("transformers")
 from zero_strategy.integrations.hf.pretrained import (  # noqa: E402

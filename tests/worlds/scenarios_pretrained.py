@@ -20,7 +20,7 @@ from torch import nn
 
 import zero_strategy as zs
 from tests.support.harness import register, scenario
-from zero_strategy.checkpoint.write import CheckpointError
+from zero_strategy.checkpoint.errors import CheckpointError
 from zero_strategy.core.materialize import meta_init
 
 STAGES = (0, 1, 2, 3)

@@ -34,7 +34,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from .write import CheckpointError
+from .errors import CheckpointError
 
 MAX_DIMS = 64
 """More dimensions than any tensor a model holds (torch allows 64 as well)."""

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..core.flat import shard_numel_for
+from .errors import CheckpointError
 from .read import open_reader
 from .source import ReaderBase
 from .stream import TensorOut, staged_directory, write_safetensors
@@ -34,9 +35,8 @@ from .write import (
     MANIFEST,
     MODULE_FILE,
     VERSION,
-    CheckpointError,
-    _sha256,
     atomic_file,
+    file_sha256,
     shard_file,
     write_atomic,
 )
@@ -168,7 +168,7 @@ def write_zero(reader: ReaderBase, out: Path) -> None:
     client = reader.client_state()
     if client:
         torch.save(client, tag / CLIENT_FILE)
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
              for p in sorted(tag.iterdir())}
     document = {
         "format": FORMAT, "version": VERSION, "tag": CONVERTED_TAG, "stage": 0,

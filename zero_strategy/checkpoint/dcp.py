@@ -45,10 +45,10 @@ from .bounds import (
     nbytes,
     shape,
 )
+from .errors import CheckpointError
 from .pickles import load_plain_pickle, load_torch_bytes, load_torch_file
 from .source import ReaderBase, foreign_manifest
 from .verify import member, plain_name
-from .write import CheckpointError
 
 METADATA = ".metadata"
 LIGHTNING_META = "meta.pt"

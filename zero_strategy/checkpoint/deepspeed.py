@@ -31,10 +31,10 @@ from typing import Any
 import torch
 
 from .bounds import count, fail, shape
+from .errors import CheckpointError
 from .pickles import load_torch_file
 from .source import MappedFile, ReaderBase, copy_flat, foreign_manifest
 from .verify import member, plain_name
-from .write import CheckpointError
 
 _RANK_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_(model|optim)_states\.pt$")
 _MODEL_FILE = "mp_rank_00_model_states.pt"

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .errors import CheckpointError
 from .stream import (
     TensorOut,
     check_target,
@@ -31,7 +32,7 @@ from .stream import (
     write_safetensors,
 )
 from .verify import ST_DTYPES
-from .write import CheckpointError, write_atomic
+from .write import write_atomic
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"

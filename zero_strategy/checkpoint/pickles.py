@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .bounds import check_archive
-from .write import CheckpointError
+from .errors import CheckpointError
 
 TRUST_ENV = "ZERO_STRATEGY_TRUST_PICKLES"
 

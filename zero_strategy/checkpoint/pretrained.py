@@ -6,10 +6,10 @@ shards (and whole tensors for what the engine keeps whole: buffers, frozen param
 from the safetensors files with seek + readinto, so no rank ever holds the whole model.
 
 The folder is presented to the loader as one more ``ReaderBase`` source and written by the same
-``read._stage`` / ``read._commit`` as every checkpoint: everything is checked first (the index,
-each file a regular member of the folder, every header against the file's size, every key's
-shape and dtype against the model), everything this rank writes is read next, and only then,
-every rank having agreed, is the engine changed. At engine construction, where the masters
+``read.stage_load`` / ``read.commit_load`` as every checkpoint: everything is checked first (the
+index, each file a regular member of the folder, every header against the file's size, every
+key's shape and dtype against the model), everything this rank writes is read next, and only
+then, every rank having agreed, is the engine changed. At engine construction, where the masters
 hold nothing yet, each range is read straight into place instead (``PretrainedSource``): a
 rank's peak is then its shards plus one piece, not a second copy of them.
 
@@ -35,13 +35,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
-from .read import SafetensorsFile, _commit, _on_all_ranks, _stage
+from .errors import CheckpointError
+from .read import SafetensorsFile, commit_load, on_all_ranks, stage_load
 from .source import ReaderBase, foreign_manifest
 from .verify import member, plain_name, read_header
-from .write import CheckpointError
 
 if TYPE_CHECKING:
-    from ..engine import ZeroEngine
+    from ..engine_view import EngineView
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -295,7 +295,7 @@ def module_entries(module: nn.Module, root: str = "",
 
 # ---------------------------------------------------------------------------- the source
 class PretrainedSource(ReaderBase):
-    """The folder in the shape ``read._stage`` reads: the engine's parameters by name, by
+    """The folder in the shape ``read.stage_load`` reads: the engine's parameters by name, by
     element range, each cast to the dtype the model gave it (then to the master's, as a
     model loaded whole and then wrapped would be), and whole module tensors by key.
 
@@ -333,7 +333,7 @@ class PretrainedSource(ReaderBase):
         if target.device.type == "cpu" and target.dtype == stored == dtype:
             return self.folder.read(self.sources[name], start, end, out=target).reshape(-1)
         target.copy_(self.folder.read(self.sources[name], start, end).reshape(-1).to(dtype))
-        return target  # _commit copies it onto itself
+        return target  # commit_load copies it onto itself
 
     def module_info(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
         return self.dtypes[key], self.folder.info(self.sources[key])[1]
@@ -342,7 +342,7 @@ class PretrainedSource(ReaderBase):
         return self.folder.read(self.sources[key]).to(self.dtypes[key])
 
 
-def _in_place(engine: ZeroEngine) -> dict[str, tuple[torch.Tensor, int]]:
+def _in_place(engine: EngineView) -> dict[str, tuple[torch.Tensor, int]]:
     """Where each parameter's element 0 would sit in this rank's master shard (negative when
     it starts in an earlier shard), after every copy still reading the masters finished."""
     engine.runtime.settle()
@@ -357,7 +357,7 @@ def _in_place(engine: ZeroEngine) -> dict[str, tuple[torch.Tensor, int]]:
     return out
 
 
-def _engine_entries(engine: ZeroEngine, root: str, dtypes: dict[str, torch.dtype]
+def _engine_entries(engine: EngineView, root: str, dtypes: dict[str, torch.dtype]
                     ) -> tuple[dict[str, tuple[int, torch.Size, torch.dtype]], dict[int, str]]:
     """The engine module's keys under ``root`` with the shapes and dtypes the model had before
     wrapping (a stage-3 parameter's own tensor is empty now), and each managed parameter's
@@ -368,12 +368,12 @@ def _engine_entries(engine: ZeroEngine, root: str, dtypes: dict[str, torch.dtype
     out = {}
     for key, t in engine.module.state_dict(keep_vars=True).items():
         if key.startswith(root):
-            dtype = engine._original_dtypes.get(id(t), dtypes.get(key, t.dtype))
+            dtype = engine.original_dtypes.get(id(t), dtypes.get(key, t.dtype))
             out[key[len(root):]] = (id(t), shapes.get(id(t), t.shape), dtype)
     return out, names
 
 
-def _source(engine: ZeroEngine, folder: PretrainedFolder, key_map: KeyMap,
+def _source(engine: EngineView, folder: PretrainedFolder, key_map: KeyMap,
             dtypes: dict[str, torch.dtype], strict: bool, in_place: bool
             ) -> tuple[PretrainedSource, Resolution]:
     entries, names = _engine_entries(engine, key_map.root, dtypes)
@@ -404,11 +404,11 @@ def _source(engine: ZeroEngine, folder: PretrainedFolder, key_map: KeyMap,
     return PretrainedSource(folder, manifest, sources, manifest_dtypes, into), found
 
 
-def load(engine: ZeroEngine, path: str | os.PathLike | PretrainedFolder, *,
+def load(engine: EngineView, path: str | os.PathLike | PretrainedFolder, *,
          key_map: KeyMap | None = None, strict: bool = True,
          dtypes: dict[str, torch.dtype] | None = None) -> LoadResult:
     """Load the folder's weights into ``engine`` (every rank calls this): validate on every
-    rank, read this rank's ranges on every rank, agree, then write (``read._commit``). The
+    rank, read this rank's ranges on every rank, agree, then write (``read.commit_load``). The
     engine's step counters and optimizer state stay as they are. ``dtypes``: the dtype each
     key had in the model before the engine cast it (buffers); managed parameters' are known."""
     if key_map is None:
@@ -417,13 +417,13 @@ def load(engine: ZeroEngine, path: str | os.PathLike | PretrainedFolder, *,
     return LoadResult(found.missing, found.unexpected)
 
 
-def _load(engine: ZeroEngine, path: str | os.PathLike | PretrainedFolder, key_map: KeyMap,
+def _load(engine: EngineView, path: str | os.PathLike | PretrainedFolder, key_map: KeyMap,
           strict: bool, dtypes: dict[str, torch.dtype], *, in_place: bool) -> Resolution:
     comm = engine.comm
-    source, found = _on_all_ranks(comm, lambda: _source(
+    source, found = on_all_ranks(comm, lambda: _source(
         engine, open_folder(path), key_map, dtypes, strict, in_place))
-    staged = _on_all_ranks(comm, lambda: _stage(engine, source, False, None))
-    _commit(engine, staged, False)
+    staged = on_all_ranks(comm, lambda: stage_load(engine, source, False, None))
+    commit_load(engine, staged, False)
     return found
 
 
@@ -461,7 +461,7 @@ def pending(model: nn.Module) -> list[tuple[str, PretrainedSpec]]:
             if (spec := _REGISTERED.get(sub)) is not None and not spec.loaded]
 
 
-def load_pending(engine: ZeroEngine, found: list[tuple[str, PretrainedSpec]]) -> None:
+def load_pending(engine: EngineView, found: list[tuple[str, PretrainedSpec]]) -> None:
     """The load at the end of ``ZeroEngine.__init__``: each pending model's folder, with the
     key map it was built with; keys missing from the folder keep the values the engine's
     materialisation gave them (the model's own init; reported when the model was built).

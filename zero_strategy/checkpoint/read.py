@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..optim.state import load_records, requests, restore_hyperparameters
+from .errors import CheckpointError
 from .source import ReaderBase
 from .stream import TensorOut, write_safetensors
 from .verify import (
@@ -38,9 +39,8 @@ from .write import (
     CLIENT_FILE,
     MANIFEST,
     MODULE_FILE,
-    CheckpointError,
-    _layout_from_json,
-    _sha256,
+    file_sha256,
+    layout_from_json,
     optimizer_name,
     shard_file,
     whole_key,
@@ -48,7 +48,7 @@ from .write import (
 
 if TYPE_CHECKING:
     from ..comm.collectives import Communicator
-    from ..engine import ZeroEngine
+    from ..engine_view import EngineView
 
 
 class SafetensorsFile:
@@ -108,7 +108,7 @@ class CheckpointReader(ReaderBase):
     def __init__(self, path: Path) -> None:
         self.path = path
         self.manifest = read_manifest(path)
-        self.layouts = [_layout_from_json(u) for u in self.manifest["units"]]
+        self.layouts = [layout_from_json(u) for u in self.manifest["units"]]
         self.where = {slot.name: (i, slot) for i, lay in enumerate(self.layouts)
                       for slot in lay.slots}
         self._handles: dict[str, SafetensorsFile] = {}
@@ -134,7 +134,7 @@ class CheckpointReader(ReaderBase):
         problems = []
         for name in names:
             file = self.path / name
-            if _sha256(file) != self.manifest["files"][name]["sha256"]:
+            if file_sha256(file) != self.manifest["files"][name]["sha256"]:
                 problems.append(f"{file}: sha256 differs from the manifest (corrupted or altered)")
         return problems
 
@@ -197,7 +197,7 @@ class CheckpointReader(ReaderBase):
 
 
 # ------------------------------------------------------------------------ loading an engine
-def load(engine: ZeroEngine, directory: str | os.PathLike, *, tag: str | None = None,
+def load(engine: EngineView, directory: str | os.PathLike, *, tag: str | None = None,
          load_optimizer: bool = True,
          before_commit: Callable[[dict[str, Any] | None, str], None] | None = None,
          trust_pickles: bool | None = None) -> dict[str, Any] | None:
@@ -212,15 +212,16 @@ def load(engine: ZeroEngine, directory: str | os.PathLike, *, tag: str | None = 
     who wrote the checkpoint: "zero_strategy", "deepspeed" or "dcp".
     """
     comm = engine.comm
-    reader = _on_all_ranks(comm, lambda: _open_checked(engine, directory, tag, load_optimizer,
+    reader = on_all_ranks(comm, lambda: _open_checked(engine, directory, tag, load_optimizer,
                                                        trust_pickles))
-    _on_all_ranks(comm, lambda: _verify_share(engine, reader))
-    staged = _on_all_ranks(comm, lambda: _stage(engine, reader, load_optimizer, before_commit))
-    _commit(engine, staged, load_optimizer)
+    on_all_ranks(comm, lambda: _verify_share(engine, reader))
+    staged = on_all_ranks(comm, lambda: stage_load(engine, reader, load_optimizer,
+                                                   before_commit))
+    commit_load(engine, staged, load_optimizer)
     return staged.client_state
 
 
-def _on_all_ranks(comm: Communicator, action: Callable[[], Any]) -> Any:
+def on_all_ranks(comm: Communicator, action: Callable[[], Any]) -> Any:
     """Run ``action`` on every rank and agree on the outcome: a rank that failed raises its own
     exception, the others a CheckpointError naming it, so no rank changes anything (or waits
     in a collective for a rank that gave up)."""
@@ -255,7 +256,7 @@ def open_reader(directory: str | os.PathLike, tag: str | None = None, *,
     return CheckpointReader(resolve(directory, tag))
 
 
-def _open_checked(engine: ZeroEngine, directory: str | os.PathLike, tag: str | None,
+def _open_checked(engine: EngineView, directory: str | os.PathLike, tag: str | None,
                   load_optimizer: bool, trust_pickles: bool | None = None) -> ReaderBase:
     reader = open_reader(directory, tag, trust=trust_pickles)
     _check_same_model(engine, reader)
@@ -263,7 +264,7 @@ def _open_checked(engine: ZeroEngine, directory: str | os.PathLike, tag: str | N
     return reader
 
 
-def _check_same_model(engine: ZeroEngine, reader: ReaderBase) -> None:
+def _check_same_model(engine: EngineView, reader: ReaderBase) -> None:
     saved = {n: tuple(v["shape"]) for n, v in reader.manifest["params"].items()}
     current = {slot.name: slot.shape for u in engine.units for slot in u.layout.slots}
     saved_module = set(reader.manifest["state_dict_keys"]) - set(reader.manifest["aliases"])
@@ -297,7 +298,7 @@ def _fits(info: tuple[torch.dtype, tuple[int, ...]], tensor: torch.Tensor) -> bo
     return shape == tuple(tensor.shape) and same_kind
 
 
-def _check_loadable(engine: ZeroEngine, reader: ReaderBase, load_optimizer: bool) -> None:
+def _check_loadable(engine: EngineView, reader: ReaderBase, load_optimizer: bool) -> None:
     """What the commit will apply besides tensors, tried on copies: the optimizer, its
     hyperparameters and the loss scaler's state."""
     manifest = reader.manifest
@@ -331,7 +332,7 @@ def _check_loadable(engine: ZeroEngine, reader: ReaderBase, load_optimizer: bool
         _try(file, "engine.loss_scaler", lambda: copy.deepcopy(scaler).load_state_dict(state))
 
 
-def _check_foreign_optimizer(engine: ZeroEngine, reader: ReaderBase) -> None:
+def _check_foreign_optimizer(engine: EngineView, reader: ReaderBase) -> None:
     """Another system's checkpoint does not name its optimizer class: the saved
     hyperparameter names and state names must be this optimizer's (Adam's moments do not
     load into SGD), and there must be as many param groups."""
@@ -382,7 +383,7 @@ def _try(file: Path, field: str, action: Callable[[], None]) -> None:
                               "or forged manifest") from e
 
 
-def _verify_share(engine: ZeroEngine, reader: ReaderBase) -> None:
+def _verify_share(engine: EngineView, reader: ReaderBase) -> None:
     """This rank's share of the hashing: file i is hashed by rank i mod world size."""
     comm = engine.comm
     files = sorted(reader.manifest["files"])
@@ -392,7 +393,7 @@ def _verify_share(engine: ZeroEngine, reader: ReaderBase) -> None:
 
 
 @dataclass
-class _Staged:
+class Staged:
     """Everything a load writes into the engine, read before the engine is touched."""
 
     reader: ReaderBase
@@ -408,8 +409,8 @@ class _Staged:
         return self.ranges[(name, key, start, end)]  # staged from the same requests
 
 
-def _stage(engine: ZeroEngine, reader: ReaderBase, load_optimizer: bool,
-           before_commit: Callable[[dict[str, Any] | None, str], None] | None) -> _Staged:
+def stage_load(engine: EngineView, reader: ReaderBase, load_optimizer: bool,
+                before_commit: Callable[[dict[str, Any] | None, str], None] | None) -> Staged:
     """Read what this rank will write: its master pieces, the module's buffers, its optimizer
     state ranges, the client state. Costs one more copy of the rank's shard until commit."""
     rank = engine.shards.rank if engine.plan.optimizer_shards > 1 else 0
@@ -429,11 +430,11 @@ def _stage(engine: ZeroEngine, reader: ReaderBase, load_optimizer: bool,
     client = reader.client_state()
     if before_commit is not None:
         before_commit(client, reader.kind)
-    return _Staged(reader, masters, module, records, ranges, client)
+    return Staged(reader, masters, module, records, ranges, client)
 
 
-def _commit(engine: ZeroEngine, staged: _Staged, load_optimizer: bool) -> None:
-    """Write what ``_stage`` read. Nothing here reads a file or can find a problem."""
+def commit_load(engine: EngineView, staged: Staged, load_optimizer: bool) -> None:
+    """Write what ``stage_load`` read. Nothing here reads a file or can find a problem."""
     manifest = staged.reader.manifest
     engine.runtime.settle()
     engine.settle_tier()

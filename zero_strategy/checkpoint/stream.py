@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
+from .errors import CheckpointError
 from .verify import ST_DTYPES
-from .write import CheckpointError, _fsync_dir, atomic_file
+from .write import atomic_file, fsync_dir
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ def staged_directory(out: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_dir(out.parent)
+    fsync_dir(out.parent)
 
 
 __all__ = ["TensorOut", "check_target", "raw_bytes", "staged_directory", "tensor_value",

@@ -33,6 +33,7 @@ import torch
 from ..config import PRECISIONS
 from ..core.flat import ALIGN_ELEMENTS, shard_numel_for
 from . import bounds
+from .errors import CheckpointError
 from .write import (
     CLIENT_FILE,
     FORMAT,
@@ -40,7 +41,6 @@ from .write import (
     MANIFEST,
     MODULE_FILE,
     READABLE_VERSIONS,
-    CheckpointError,
     old_name,
     shard_file,
 )

@@ -35,9 +35,10 @@ from safetensors.torch import save_file
 from ..core.flat import FlatLayout, Slot
 from ..optim.owner import OwnerPart
 from ..optim.state import hyperparameters, local_records
+from .errors import CheckpointError
 
 if TYPE_CHECKING:
-    from ..engine import ZeroEngine
+    from ..engine_view import EngineView
 
 FORMAT = "zero_strategy.checkpoint"
 VERSION = 4
@@ -49,10 +50,6 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 MODULE_FILE = "module.safetensors"
 CLIENT_FILE = "client_state.pt"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded as asked; the message names the file and the cause."""
 
 
 def shard_file(index: int) -> str:
@@ -70,7 +67,7 @@ def old_name(tag: str) -> str:
 
 
 # ---------------------------------------------------------------------------- small helpers
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -78,7 +75,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -100,7 +97,7 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -121,10 +118,10 @@ def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, Any
     save_file(out, str(path))
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
-def _layout_json(layout: FlatLayout) -> dict[str, Any]:
+def layout_json(layout: FlatLayout) -> dict[str, Any]:
     return {
         "num_shards": layout.num_shards,
         "shard_numel": layout.shard_numel,
@@ -133,7 +130,7 @@ def _layout_json(layout: FlatLayout) -> dict[str, Any]:
     }
 
 
-def _layout_from_json(data: dict[str, Any]) -> FlatLayout:
+def layout_from_json(data: dict[str, Any]) -> FlatLayout:
     slots = tuple(Slot(n, tuple(shape), off, numel, g) for n, shape, off, numel, g in data["slots"])
     layout = FlatLayout(slots, data["num_shards"], data.get("shard_align", 1))
     if layout.shard_numel != data["shard_numel"]:
@@ -143,7 +140,7 @@ def _layout_from_json(data: dict[str, Any]) -> FlatLayout:
 
 
 # ---------------------------------------------------------------------------- saving
-def save(engine: ZeroEngine, directory: str | os.PathLike, *, tag: str | None = None,
+def save(engine: EngineView, directory: str | os.PathLike, *, tag: str | None = None,
          client_state: dict[str, Any] | None = None) -> Path:
     """Every rank calls this; returns the path of the written tag directory.
 
@@ -180,7 +177,7 @@ def save(engine: ZeroEngine, directory: str | os.PathLike, *, tag: str | None = 
     return root / tag
 
 
-def _write_rank_files(engine: ZeroEngine, tmp: Path, client_state: dict[str, Any] | None,
+def _write_rank_files(engine: EngineView, tmp: Path, client_state: dict[str, Any] | None,
                       owned: dict[str, torch.Tensor]
                       ) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """This rank's shard file (and on rank 0 the module and client files): their sizes and
@@ -207,7 +204,7 @@ def _write_rank_files(engine: ZeroEngine, tmp: Path, client_state: dict[str, Any
     return files, records, state_keys
 
 
-def _finish(engine: ZeroEngine, root: Path, tmp: Path, tag: str, gathered: list[Any],
+def _finish(engine: EngineView, root: Path, tmp: Path, tag: str, gathered: list[Any],
             client: bool) -> None:
     """Rank 0, once every rank's files are written: the manifest, then publish."""
     merged: dict[str, Any] = {"files": {}, "param_states": {}, "state_keys": set()}
@@ -284,7 +281,7 @@ def recover(root: Path) -> None:
                 _remove(entry)
             else:
                 os.replace(entry, tag)
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def _remove(path: Path) -> None:
@@ -313,19 +310,19 @@ def _publish(root: Path, tmp: Path, tag: str) -> None:
         _reached("old-moved")
         os.replace(tmp, final)
         _reached("new-moved")
-        _fsync_dir(root)
+        fsync_dir(root)
         _remove(old)
         _reached("old-removed")
     else:
         os.replace(tmp, final)
         _reached("new-moved")
-    _fsync_dir(root)
+    fsync_dir(root)
     write_atomic(root / LATEST, tag.encode())
     _reached("latest-written")
 
 
 def _shard_tensors(
-    engine: ZeroEngine,
+    engine: EngineView,
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
     """This rank's master shards and parameter-sized optimizer states, one flat tensor per
     unit and key (laid out like the master), and the per-parameter records of which states
@@ -346,7 +343,7 @@ def whole_key(name: str, key: str) -> str:
     return f"w.{name}.{key}"
 
 
-def _owned_states(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+def _owned_states(engine: EngineView) -> dict[str, torch.Tensor]:
     """The whole state tensors this rank's shard file stores: its own owned ones, or with an
     unsharded optimizer (one file, rank 0's) every rank's, sent to rank 0."""
     local = {whole_key(name, key): value.detach().cpu()
@@ -361,7 +358,7 @@ def _owned_states(engine: ZeroEngine) -> dict[str, torch.Tensor]:
     return merged if engine.comm.rank == 0 else {}
 
 
-def optimizer_name(engine: ZeroEngine) -> str:
+def optimizer_name(engine: EngineView) -> str:
     """The optimizer classes, as the manifest records them ("Muon+AdamW" for several)."""
     return "+".join(type(o).__name__ for o in engine.user_optimizers)
 
@@ -370,10 +367,10 @@ def _save_client_state(state: dict[str, Any], path: Path) -> dict[str, Any]:
     torch.save(state, path)  # inside the temporary tag: published with it or not at all
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
-def _manifest(engine: ZeroEngine, tag: str, merged: dict[str, Any], client: bool) -> dict:
+def _manifest(engine: EngineView, tag: str, merged: dict[str, Any], client: bool) -> dict:
     params = {}
     for unit in engine.units:
         for slot in unit.layout.slots:
@@ -392,7 +389,7 @@ def _manifest(engine: ZeroEngine, tag: str, merged: dict[str, Any], client: bool
         "params": params, "aliases": aliases,
         "param_groups": hyperparameters(engine.user_optimizer),
         "state_dict_keys": list(engine.module.state_dict(keep_vars=True)),
-        "units": [_layout_json(u.layout) for u in engine.units],
+        "units": [layout_json(u.layout) for u in engine.units],
         "state_keys": sorted(merged["state_keys"]), "param_states": merged["param_states"],
         "files": merged["files"], "client_state": CLIENT_FILE if client else None,
     }

@@ -2,7 +2,8 @@
 
 Persistent hooks (per-parameter gradient hooks, per-unit forward hooks) are kept as handles
 so ``HookSet.remove()`` leaves the model as it was found. Per-forward tensor hooks on module
-outputs live only as long as the autograd graph they belong to.
+outputs (``autograd.py``, registered by the runtime) live only as long as the autograd graph
+they belong to.
 
 Module classes are swapped for subclasses that route attribute reads, conversions and state
 dicts through ``access.ParamAccess`` (as FSDP2's ``fully_shard`` swaps in ``FSDPModule``);
@@ -15,7 +16,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from .eager import eager
@@ -142,24 +142,3 @@ def _grad_hook(runtime: Runtime, unit: Unit, index: int) -> Callable[[torch.Tens
         runtime.on_grad(unit, index, param)
 
     return hook
-
-
-def register_pre_backward(output: Any, fn: Callable[[], None]) -> bool:
-    """Call ``fn`` when the gradient of any tensor in ``output`` is about to flow backward.
-
-    Returns False when the output holds no tensor that requires grad (nothing to hook).
-    """
-    leaves, _ = tree_flatten(output)
-    tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-
-    def hook(grad: torch.Tensor) -> None:
-        fn()
-
-    for t in tensors:
-        t.register_hook(hook)
-    return bool(tensors)
-
-
-def queue_end_of_backward(fn: Callable[[], None]) -> None:
-    """Run ``fn`` once the current backward pass has finished (autograd's final callbacks)."""
-    torch.autograd.Variable._execution_engine.queue_callback(fn)

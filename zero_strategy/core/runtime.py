@@ -46,8 +46,8 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
 from ..comm.collectives import Communicator, Handle
+from .autograd import queue_end_of_backward, register_pre_backward
 from .devices import from_host
-from .hooks import queue_end_of_backward, register_pre_backward
 from .params import ParamState
 from .units import Unit
 

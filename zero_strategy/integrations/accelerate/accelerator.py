@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from ...checkpoint import read as checkpoint_read
 from ...checkpoint.dcp import dcp_directories
 from ...checkpoint.verify import member
-from ...checkpoint.write import CheckpointError
+from ...checkpoint.errors import CheckpointError
 from ...comm import collectives
 from ...engine import ZeroEngine
 from ..step_turns import StepTurns

@@ -14,7 +14,7 @@ from typing import Any
 from accelerate.utils import load as accelerate_load
 
 from ...checkpoint.verify import member, refusal
-from ...checkpoint.write import CheckpointError
+from ...checkpoint.errors import CheckpointError
 
 CHECKPOINT_SUBDIR = "zero_checkpoint"
 """Where ``save_state`` puts the engine's sharded checkpoint inside Accelerate's state folder."""

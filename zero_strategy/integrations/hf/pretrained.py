@@ -39,7 +39,7 @@ from ...checkpoint.pretrained import (
     spec_of,
     warn_keys,
 )
-from ...checkpoint.write import CheckpointError
+from ...checkpoint.errors import CheckpointError
 from ...comm.collectives import default_device, group_backend
 from ...core.materialize import meta_init, set_module_init
 from .. import require

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .memory import MemoryEstimate, estimate_memory, storage_bytes
-from .optim.owner import OwnerPart
+from ..optim.owner import OwnerPart
+from .states import MemoryEstimate, estimate_memory, storage_bytes
 
 if TYPE_CHECKING:
-    from .engine import ZeroEngine
+    from ..engine_view import EngineView
 
 
-def report(engine: ZeroEngine) -> dict[str, Any]:
+def report(engine: EngineView) -> dict[str, Any]:
     seen: set[int] = set()
     held = [u.param_store.held_tensors() for u in engine.units]
     params = storage_bytes([t for h in held for t in h["params"]], seen)
@@ -57,7 +57,7 @@ def report(engine: ZeroEngine) -> dict[str, Any]:
     }
 
 
-def predicted(engine: ZeroEngine) -> MemoryEstimate:
+def predicted(engine: EngineView) -> MemoryEstimate:
     owner_parts = [p for p in engine.optimizer.parts if isinstance(p, OwnerPart)]
     config = engine.config
     return estimate_memory(

@@ -1,4 +1,5 @@
-"""The ZeRO memory formula, per rank, and the engine's own accounting to compare against it.
+"""The ZeRO memory formula for model states, per rank (``report.py`` holds the engine's own
+accounting beside it).
 
 Per parameter, with p, g bytes for the compute copy of parameters and gradients and k bytes
 of optimizer state (fp32 master included when it is a separate copy), a rank holds
@@ -18,9 +19,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .config import ZeroConfig
-from .core.precision import make_policy
-from .offload.disk import WRITES_IN_FLIGHT, keep_budget
+from ..config import ZeroConfig
+from ..core.precision import make_policy
+from ..offload.disk import WRITES_IN_FLIGHT, keep_budget
 
 
 def _size(dtype: torch.dtype) -> int:

@@ -1,0 +1,255 @@
+"""`ZeroEngine`: a model and its optimizer, sharded across the ranks of a process group.
+
+The public face of the engine package: set-up is ``setup.py`` (with ``disk.py``), the step
+``step.py``, state dicts and closing ``state.py``, the memory report ``memory/report.py``;
+each method here says what it does and hands over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from ..checkpoint import pretrained as checkpoint_pretrained
+from ..checkpoint import read as checkpoint_read
+from ..checkpoint import write as checkpoint_write
+from ..config import ZeroConfig
+from ..core.materialize import InitFn
+from ..memory import report as memory_report
+from ..optim.combined import parts as optimizer_parts
+from . import setup, state
+from . import step as training
+from .parts import EngineParts
+
+
+class ZeroEngine(EngineParts):
+    """Trains ``model`` with ``optimizer`` under ZeRO ``config`` on every rank of ``process_group``.
+
+    ``optimizer`` is a torch optimizer built on the model's parameters, or several over
+    disjoint parameter sets (a list, or a ``CombinedOptimizer``: Muon for the hidden matrices
+    beside AdamW for the rest). The engine rebuilds each over this rank's shard (elementwise
+    optimizers) or over whole parameters on owning ranks (Muon, Adafactor, any update that
+    reads a parameter whole) and keeps reading hyperparameters from the user's objects, so LR
+    schedulers attached to them work unchanged.
+
+    A model built on the meta device is materialised on ``device`` (default: the current CUDA
+    device under nccl, else CPU) one unit at a time, each module initialised by
+    ``param_init_fn(module)`` (default ``module.reset_parameters()``), so no rank ever holds
+    the whole model; rank 0's initial values are broadcast either way.
+    """
+
+    def __init__(
+        self, model: nn.Module,
+        optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
+        config: ZeroConfig | None = None,
+        *, process_group: Any = None, device: torch.device | str | None = None,
+        param_init_fn: InitFn | None = None,
+    ) -> None:
+        pretrained = setup.build(self, model, optimizer, config, process_group=process_group,
+                                 device=device, param_init_fn=param_init_fn)
+        if pretrained:  # from_pretrained's model: its folder's weights go into the shards now
+            checkpoint_pretrained.load_pending(self, pretrained)
+
+    # ------------------------------------------------------------------ training API
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return training.forward(self, args, kwargs)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Backward; outside ``no_sync()`` gradients are reduced while it runs."""
+        training.backward(self, loss, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, with no communication, until the context exits."""
+        previous = self.runtime.sync
+        self.runtime.sync = False
+        try:
+            yield
+        finally:
+            self.runtime.sync = previous
+
+    @property
+    def grads_pending(self) -> bool:
+        """Whether reduced gradients wait for ``step()`` (a synchronising backward ran since
+        the last step or ``zero_grad()``)."""
+        return bool(self.runtime.grads_pending_step)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the norm of the whole gradient (over all shards); returns that norm."""
+        return training.clip_grad_norm_(self, max_norm, norm_type)
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every gradient element to [-clip_value, clip_value]. Elementwise, so clamping
+        each rank's (unscaled) shard is exactly torch.nn.utils.clip_grad_value_ on the whole."""
+        training.clip_grad_value_(self, clip_value)
+
+    def get_global_grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        return training.grad_norm(self, norm_type)
+
+    def step(self) -> bool:
+        """Optimizer step on this rank's shard, then propagate and zero gradients.
+
+        Returns False when the step was skipped: some rank had an inf/NaN gradient (an fp16
+        overflow, or ``ZeroConfig.nonfinite_grads="skip"`` at any precision); weights,
+        optimizer states and step counts are then unchanged on every rank.
+        """
+        return training.step(self)
+
+    def refresh_compute_copies(self) -> None:
+        """Propagate every unit's master shard into the copy forward reads: all-gathers
+        launched in forward order (buckets hold parameters in reverse registration order),
+        waited for here only without ``overlap_param_gather``; otherwise by the first read
+        of each bucket (``ParamAccess``) or ``runtime.settle()``."""
+        training.refresh_compute_copies(self)
+
+    def zero_grad(self) -> None:
+        """Forget every gradient of the step, also after an exception in forward, backward or
+        step left a pass half done: the engine is then ready for the next micro-batch."""
+        training.zero_grad(self)
+
+    # ------------------------------------------------------------------ whole parameters
+    def gathered_parameters(
+        self, target: nn.Module | Any = None, *, writable: bool = False,
+        modifier_rank: int | None = None,
+    ) -> contextlib.AbstractContextManager[None]:
+        """Whole parameters of ``target`` (a submodule, an iterable of parameters, or the
+        whole model) inside the context, on every rank (a collective: call it on all).
+
+        With ``writable=True`` edits made inside reach the shards and the masters when the
+        context exits (only edited elements replace the fp32 master under mixed precision);
+        with ``modifier_rank=r`` rank r's values are broadcast first, so only its edit counts.
+        Without ``writable``, an edit is discarded and raises.
+        """
+        self.check_open("gathered_parameters")
+        return self.access.gathered(target, writable, modifier_rank)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def user_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The user's optimizers: the one given, or the parts of several."""
+        return optimizer_parts(self.user_optimizer)
+
+    def settle_tier(self) -> None:
+        """Disk tier: wait for its reads and write-backs before code that writes the state
+        outside the step (a load): a write racing one is refused by the tier with a fault."""
+        state.settle_tier(self)
+
+    def unmanaged_state(self) -> dict[str, torch.Tensor]:
+        """The module's buffers and frozen parameters, by state_dict key (kept whole)."""
+        return state.unmanaged_state(self)
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> Any:
+        """Load a full (unsharded) ``model.state_dict()`` into the engine, e.g. pretrained
+        weights: managed parameters' masters get the values at full precision. Every key and
+        shape is checked before anything is written."""
+        return state.load_module_state(self, state_dict, strict)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The consolidated module state dict on every rank: same keys and shapes as
+        ``model.state_dict()``, managed parameters as their master (fp32) values, on CPU."""
+        return state.full_module_state(self)
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The user's optimizer state as an unsharded run's ``optimizer.state_dict()`` would
+        hold it (same indices, keys and tensors; ``{"optimizers": [...]}`` for several, as
+        ``CombinedOptimizer`` saves), assembled on every rank: a collective that materialises
+        the whole optimizer state (use the sharded checkpoint to scale). The user's optimizer
+        objects return this from their own ``state_dict()``."""
+        self.check_open("optimizer_state_dict")
+        return self.user_optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load torch's optimizer format (from ``optimizer_state_dict()`` or a run without
+        ZeRO) into the shards; also what the user's ``optimizer.load_state_dict()`` does."""
+        self.check_open("load_optimizer_state_dict")
+        self.settle_tier()
+        self.user_optimizer.load_state_dict(state_dict)
+
+    def close(self) -> nn.Module:
+        """Give the module back as a plain ``nn.Module`` holding the trained weights (whole,
+        in the dtypes it had, from the masters), with every hook and class swap removed.
+        A collective: call it on every rank."""
+        return state.close(self)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, directory: str | os.PathLike, *, tag: str | None = None,
+                        client_state: dict[str, Any] | None = None) -> Path:
+        """Every rank writes its own shards of a new tag under ``directory`` (atomically)."""
+        # A closed engine has no shards left: what it wrote would hold no parameters and load
+        # nowhere. The plain module saves itself (``torch.save(module.state_dict(), ...)``).
+        self.check_open("save_checkpoint")
+        self.runtime.settle()
+        with record_function("zero::save_checkpoint"):
+            return checkpoint_write.save(self, directory, tag=tag, client_state=client_state)
+
+    def load_checkpoint(self, directory: str | os.PathLike, *, tag: str | None = None,
+                        load_optimizer: bool = True,
+                        trust_pickles: bool | None = None) -> dict[str, Any] | None:
+        """Resume from a checkpoint written on any world size and stage, by this engine, by
+        DeepSpeed (ZeRO stages 1-3) or with torch.distributed.checkpoint (FSDP); returns the
+        client state saved with it. Other systems' files are pickles, read with torch's
+        weights_only unpickler unless ``trust_pickles=True`` (see ``checkpoint/pickles.py``)."""
+        self.check_open("load_checkpoint")
+        with record_function("zero::load_checkpoint"):
+            return checkpoint_read.load(self, directory, tag=tag, load_optimizer=load_optimizer,
+                                        trust_pickles=trust_pickles)
+
+    def load_pretrained(self, path: str | os.PathLike, *, strict: bool = True,
+                        key_map: checkpoint_pretrained.KeyMap | None = None) -> Any:
+        """Load a Hugging Face ``save_pretrained`` folder into the shards, each rank reading
+        only its own ranges, everything checked before anything changes; returns the missing
+        and unexpected keys, as ``load_state_dict``. ``key_map`` defaults to the one
+        ``from_pretrained`` built the model with (docs/pretrained.md)."""
+        self.check_open("load_pretrained")
+        with record_function("zero::load_pretrained"):
+            return checkpoint_pretrained.load(self, path, key_map=key_map, strict=strict)
+
+    # ------------------------------------------------------------------ observability
+    def memory_report(self) -> dict[str, int | float | str | None]:
+        """Model-state bytes this rank holds now, beside the ZeRO formula's prediction, and
+        what the last measured forward kept for backward (``measure_activations``)."""
+        return memory_report.report(self)
+
+    def predicted_memory(self) -> Any:
+        return memory_report.predicted(self)
+
+    @contextlib.contextmanager
+    def measure_activations(self) -> Iterator[None]:
+        """Count what the next forward inside this block keeps for backward (the first
+        training forward is counted anyway); ``memory_report()["activation_bytes"]``."""
+        with self.activations.measuring():
+            yield
+
+    def comm_bytes(self) -> dict[str, int]:
+        """Bytes this rank has sent so far, per collective, and their total. With hybrid
+        sharding also ``within_groups`` (gathers and reduce-scatters in the shard group) and
+        ``across_groups`` (the all-reduce of gradient shards between replicas); the rest of
+        the total is what every rank agrees on (flags, norms, buffers)."""
+        comms = [self.comm] + ([self.shards, self.replicas] if self.replicas is not None
+                               else [])
+        out: dict[str, int] = {}
+        for comm in comms:
+            for op, n in comm.bytes_sent.items():
+                out[op] = out.get(op, 0) + n
+        out["total"] = sum(out.values())
+        if self.replicas is not None:
+            out["within_groups"] = self.shards.snapshot()["total"]
+            out["across_groups"] = self.replicas.snapshot()["total"]
+        return out
+
+    def train(self, mode: bool = True) -> ZeroEngine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> ZeroEngine:
+        return self.train(False)

@@ -1,0 +1,209 @@
+"""The training step over an engine's parts: forward and backward, unscaling, clipping, the
+non-finite check, the optimizer step, forgetting gradients, and following what the user
+changed between steps (parameters added to the optimizer, parameters unfrozen)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from ..core.units import build_units
+from ..optim.combined import parts as optimizer_parts
+from .parts import EngineParts
+from .setup import managed_parameters, signature
+
+
+def forward(parts: EngineParts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    parts.check_open("forward")
+    _follow_trainability(parts)
+    parts.runtime.begin_forward()
+    if parts.plan.broadcast_buffers and parts._buffers:
+        with torch.no_grad(), record_function("zero::broadcast_buffers"):
+            parts.comm.broadcast_coalesced(parts._buffers)
+    args, kwargs = parts.plan.policy.cast_inputs(args, kwargs)
+    with record_function("zero::forward"), parts.activations.forward_pass():
+        output = parts.module(*args, **kwargs)
+    parts.runtime.end_forward()
+    return output
+
+
+def backward(parts: EngineParts, loss: torch.Tensor, **kwargs: Any) -> None:
+    parts.hooks.ensure_grad_hooks(parts.units, parts.runtime)  # unfrozen since the forward
+    if parts.scaler is not None:
+        loss = loss.float() * parts.scaler.scale
+    with record_function("zero::backward"):
+        try:
+            loss.backward(**kwargs)
+        except BaseException:
+            parts.runtime.interrupted = True  # zero_grad() matches the peers' reductions
+            raise
+
+
+def _unscale(parts: EngineParts) -> None:
+    if parts.scaler is None or parts._unscaled:
+        return
+    inv = 1.0 / parts.scaler.scale
+    for g in parts.optimizer.master_grads():
+        g.mul_(inv)
+    parts._unscaled = True
+
+
+def _require_reduced_grads(parts: EngineParts, what: str) -> None:
+    if not parts.runtime.grads_pending_step:
+        raise RuntimeError(
+            f"{what} needs reduced gradients: call engine.backward(loss) outside no_sync() "
+            "first (the last micro-batch of an accumulation window must synchronise)"
+        )
+
+
+def clip_grad_norm_(parts: EngineParts, max_norm: float, norm_type: float) -> torch.Tensor:
+    _require_reduced_grads(parts, "clip_grad_norm_")
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
+    _unscale(parts)
+    with record_function("zero::clip_grad_norm"):
+        norm = parts.optimizer.clip_grad_norm_(max_norm, norm_type)
+    parts._norm = norm  # step() reads finiteness from it instead of another collective
+    return norm
+
+
+def clip_grad_value_(parts: EngineParts, clip_value: float) -> None:
+    _require_reduced_grads(parts, "clip_grad_value_")
+    if not clip_value > 0:
+        raise ValueError(f"clip_value must be > 0, got {clip_value!r}")
+    _unscale(parts)
+    with record_function("zero::clip_grad_value"):
+        for g in parts.optimizer.master_grads():
+            g.clamp_(-clip_value, clip_value)
+
+
+def grad_norm(parts: EngineParts, norm_type: float) -> torch.Tensor:
+    _require_reduced_grads(parts, "get_global_grad_norm")
+    _unscale(parts)
+    return parts.optimizer.grad_norm(norm_type)
+
+
+def _nonfinite(parts: EngineParts) -> bool:
+    """Whether any rank holds an inf/NaN gradient: the clipping norm when this step
+    computed one (already global, no extra collective), else one scalar all-reduce over a
+    flag built on the device (a single host sync per step)."""
+    if parts.config.nonfinite_grads == "off" and parts.scaler is None:
+        return False
+    if parts._norm is not None:
+        return not bool(torch.isfinite(parts._norm))
+    local = parts.optimizer.nonfinite_local(parts.device)
+    return bool(parts.comm.all_reduce_max_to_host(local.reshape(1))[0])
+
+
+def step(parts: EngineParts) -> bool:
+    """The optimizer step, or a skip on every rank (see ``ZeroEngine.step``)."""
+    parts.check_open("step")
+    _require_reduced_grads(parts, "step")
+    _refuse_stray_grads(parts)
+    parts.runtime.settle()  # fp32 masters are views of compute copies a gather may write
+    _unscale(parts)
+    nonfinite = _nonfinite(parts)
+    if parts.scaler is not None:
+        parts.scaler.update(nonfinite)
+    if nonfinite:
+        parts.skipped_steps += 1
+        zero_grad(parts)
+        _report_nonfinite(parts)
+    else:
+        parts.optimizer.step()
+        parts.global_step += 1
+        zero_grad(parts)
+        refresh_compute_copies(parts)
+    # torch's LR schedulers warn unless the optimizer they wrap was stepped; the engine
+    # steps its inner copy (or skips), so record the call on the user's object.
+    user = [parts.user_optimizer, *optimizer_parts(parts.user_optimizer)]
+    for opt in {id(o): o for o in user}.values():
+        opt._opt_called = True  # type: ignore[attr-defined]
+    return not nonfinite
+
+
+def _report_nonfinite(parts: EngineParts) -> None:
+    scale = f" (fp16 loss scale now {parts.scaler.scale:g})" if parts.scaler else ""
+    message = (f"non-finite gradients at global step {parts.global_step} on at least one "
+               f"rank: step skipped on every rank{scale}; {parts.skipped_steps} skipped so far")
+    if parts.config.nonfinite_grads == "error":
+        raise FloatingPointError(
+            message.replace("step skipped", "nothing was updated")
+            + " (ZeroConfig(nonfinite_grads='skip') skips such steps instead)")
+    # 4: the warning points at the user's engine.step(), two frames above this module
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def refresh_compute_copies(parts: EngineParts) -> None:
+    with record_function("zero::update_params"):
+        for unit in reversed(parts.units):
+            unit.param_store.after_step(parts.shards)
+        if not parts.plan.overlap_param_gather:
+            parts.runtime.settle()
+
+
+def zero_grad(parts: EngineParts) -> None:
+    parts.runtime.reset()
+    for unit in parts.units:
+        unit.zero_grad()
+        for p in unit.params:
+            p.grad = None
+    parts._unscaled = False
+    parts._norm = None
+
+
+def _refuse_stray_grads(parts: EngineParts) -> None:
+    """A managed parameter with a ``.grad`` got it outside the engine's hooks (unfrozen
+    after the forward): stepping without it would silently ignore it."""
+    stray = [parts.param_names[id(p)] for u in parts.units for p in u.params
+             if p.grad is not None]
+    if stray:
+        raise RuntimeError(
+            f"parameters {stray[:5]} hold a .grad that did not go through the engine's "
+            "reduction (given by hand, or produced by a backward not run through "
+            "engine.backward() after they were unfrozen); stepping would ignore it. Run "
+            "backward through engine.backward(), and set .grad to None before step()")
+
+
+# ------------------------------------------------------------------ trainability
+def _follow_trainability(parts: EngineParts) -> None:
+    """Before a forward: take over parameters the user added to the optimizer
+    (``add_param_group``). Gradient hooks for unfrozen parameters are added in
+    ``backward()``, the one place every gradient passes."""
+    current = signature(parts.user_optimizer)
+    if current != parts._optimizer_signature:
+        _adopt_new_parameters(parts)
+        parts._optimizer_signature = current
+
+
+def _adopt_new_parameters(parts: EngineParts) -> None:
+    parts.optimizer.check_adoptable()
+    managed, group_of = managed_parameters(parts.module, parts.user_optimizer, strict=False)
+    new = [(n, p) for n, p in managed if id(p) not in parts.param_names]
+    if not new:
+        return
+    if parts.runtime.grads_pending_step or any(u.used.count(True) for u in parts.units):
+        raise RuntimeError(
+            f"parameters {[n for n, _ in new][:5]} were added to the optimizer in the "
+            "middle of a step (gradients are pending): add param groups between "
+            "engine.step() and the next forward")
+    stale = [n for n, p in new if p.grad is not None]
+    if stale:
+        raise RuntimeError(f"parameters {stale[:5]} added to the optimizer already hold a "
+                           ".grad from before; set it to None first (optimizer.zero_grad())")
+    parts.runtime.settle()
+    parts.runtime.reshard_all()
+    units = build_units(parts.module, new, group_of, parts.plan, parts.unit_comms(),
+                        parts.placement, first_index=len(parts.units))
+    parts.units.extend(units)
+    for name, p in new:
+        parts.param_names[id(p)] = name
+        parts.original_dtypes[id(p)] = p.dtype
+    parts.num_params += sum(p.numel() for _, p in new)
+    parts.optimizer.add_units(units)
+    parts.hooks.install(units, parts.runtime)
+    parts.access.add_units(units)
+    parts._buffers = [b for b in parts.module.buffers() if b is not None]
