@@ -23,8 +23,8 @@ from torch.utils.data import DataLoader
 
 from ...checkpoint import read as checkpoint_read
 from ...checkpoint.dcp import dcp_directories
-from ...checkpoint.verify import member
 from ...checkpoint.errors import CheckpointError
+from ...checkpoint.verify import member
 from ...comm import collectives
 from ...engine import ZeroEngine
 from ..step_turns import StepTurns

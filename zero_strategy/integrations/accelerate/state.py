@@ -13,8 +13,8 @@ from typing import Any
 
 from accelerate.utils import load as accelerate_load
 
-from ...checkpoint.verify import member, refusal
 from ...checkpoint.errors import CheckpointError
+from ...checkpoint.verify import member, refusal
 
 CHECKPOINT_SUBDIR = "zero_checkpoint"
 """Where ``save_state`` puts the engine's sharded checkpoint inside Accelerate's state folder."""

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...checkpoint.errors import CheckpointError
 from ...checkpoint.pretrained import (
     KeyMap,
     PretrainedFolder,
@@ -39,7 +40,6 @@ from ...checkpoint.pretrained import (
     spec_of,
     warn_keys,
 )
-from ...checkpoint.errors import CheckpointError
 from ...comm.collectives import default_device, group_backend
 from ...core.materialize import meta_init, set_module_init
 from .. import require
