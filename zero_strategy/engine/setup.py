@@ -233,6 +233,12 @@ def managed_parameters(
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
+    if not any(group["params"] for group in optimizer.param_groups):
+        # torch accepts such an optimizer (its step does nothing); an engine would train nothing
+        raise ValueError(
+            f"the optimizer's {len(optimizer.param_groups)} param groups are all empty: "
+            "nothing to train; build it over the model's trainable parameters (empty groups "
+            "beside non-empty ones are fine)")
     names = {id(p): n for n, p in model.named_parameters()}
     group_of: dict[int, int] = {}
     for gi, group in enumerate(optimizer.param_groups):
