@@ -51,6 +51,7 @@ def test_groups_added_between_steps(world: dict, stage: int) -> None:
         _matches_torch(r, len(results))
         assert r["user_groups"][2] == 0 and r["user_groups"][3] == 2, r["user_groups"]
         assert r["mix_untouched"], "a parameter in no group was changed by the step"
+        assert r["head_moved"] > 1e-3, "the parameters of the added group did not train"
 
 
 @pytest.mark.parametrize("stage", list(STAGES))
@@ -62,6 +63,27 @@ def test_what_cannot_be_trained_is_refused_by_name(world: dict, stage: int) -> N
         and "missing from the optimizer" in r["left_out"], r["left_out"]
     assert r["foreign_added"].startswith("ValueError") and "param group 2" \
         in r["foreign_added"] and "not a parameter of the model" in r["foreign_added"]
+    assert r["first_of_two_grown"].startswith("ValueError") and "['head.weight']" in \
+        r["first_of_two_grown"] and "SGD, optimizer 0 of 2" in r["first_of_two_grown"]
+    assert r["first_of_two_added"].startswith("ValueError") and "added to SGD, optimizer 0 of 2" \
+        in r["first_of_two_added"], r["first_of_two_added"]
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_parameters_appended_to_an_empty_group_in_place(world: dict, stage: int) -> None:
+    """``param_groups[0]["params"].extend(...)``: torch's step reads the list as it is."""
+    results = check(world[f"grown_in_place_stage{stage}"])
+    for r in results:
+        _matches_torch(r, len(results))
+        assert r["head_moved"] > 1e-3, "the appended parameters did not train"
+
+
+def test_owner_placed_optimizer_with_empty_groups(world: dict) -> None:
+    results = check(world["owner_placed_stage3"])
+    for r in results:
+        _matches_torch(r, len(results))
+        assert "['head.weight', 'head.bias'] were added to Adafactor" in r["refused"] \
+            and "owning ranks" in r["refused"], r["refused"]
 
 
 @pytest.mark.parametrize("case", ["first_empty", "all_but_one"])

@@ -85,12 +85,15 @@ def groups_of(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
             for g in opt.state_dict()["param_groups"]]
 
 
-def compare(engine: zs.ZeroEngine, ref: nn.Module, ref_opt: torch.optim.Optimizer
-            ) -> dict[str, Any]:
+def compare(engine: zs.ZeroEngine, ref: nn.Module, ref_opt: torch.optim.Optimizer,
+            initial: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The engine against the reference; ``moved``: how far the reference's weights went from
+    ``initial`` (a parity of untrained weights would be vacuous)."""
     ours, theirs = engine.full_state_dict(), ref.state_dict()
     mine, plain = engine.user_optimizer.state_dict(), ref_opt.state_dict()
     return {"bit_equal": all(torch.equal(ours[k], v) for k, v in theirs.items()),
             "rel": rel_diff(ours, theirs),
+            "moved": max((theirs[k] - v).abs().max().item() for k, v in initial.items()),
             "groups_equal": groups_of(engine.user_optimizer) == groups_of(ref_opt),
             "state_indices_equal": sorted(mine["state"]) == sorted(plain["state"]),
             "user_groups": [len(g["params"]) for g in engine.user_optimizer.param_groups]}
@@ -116,9 +119,7 @@ def empty_groups(stage: int, shape: str) -> dict[str, Any]:
         for k, (sched, opt) in enumerate(zip(scheds, (ref_opt, engine.user_optimizer))):
             sched.step()
             lrs[k].append([g["lr"] for g in opt.param_groups])
-    out = compare(engine, ref, ref_opt)
-    out["moved"] = max((ref.state_dict()[k] - v).abs().max().item() for k, v in initial.items())
-    return {**out, "lrs_equal": lrs[0] == lrs[1]}
+    return {**compare(engine, ref, ref_opt, initial), "lrs_equal": lrs[0] == lrs[1]}
 
 
 # ---------------------------------------------------------------- groups added after wrapping
@@ -158,11 +159,76 @@ def late_groups(stage: int) -> dict[str, Any]:
         m.mix.requires_grad_(True)
         opt.add_param_group({"params": list(m.head.parameters()), "lr": 0.05})
     train(2)
-    out = compare(engine, ref, ref_opt)
+    out = compare(engine, ref, ref_opt, initial)
     final = engine.full_state_dict()
     out["mix_untouched"] = torch.equal(final["mix.weight"], initial["mix.weight"])
-    out["moved"] = min((final[k] - initial[k]).abs().max().item()
-                       for k in initial if k != "mix.weight")  # head too: it was adopted
+    out["head_moved"] = (final["head.weight"] - initial["head.weight"]).abs().max().item()
+    return out
+
+
+def grown_in_place(stage: int) -> dict[str, Any]:
+    """``head`` frozen at first; after 2 steps it is unfrozen and appended to the optimizer's
+    empty first group in place (``param_groups[0]["params"].extend``), which torch's step
+    reads as it is: it trains with that group's hyperparameters from then on; 2 more steps."""
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    initial = copy.deepcopy(ref.state_dict())
+
+    def build(m: nn.Module, reference: bool) -> torch.optim.Optimizer:
+        m.head.requires_grad_(False)
+        return adamw([{"params": [], "weight_decay": 0.5, "lr": 0.05},
+                      {"params": [p for p in m.parameters() if p.requires_grad]}], reference)
+
+    ref_opt = build(ref, True)
+    engine = zs.ZeroEngine(model, build(model, False), zs.ZeroConfig(**STAGES[stage]))
+    gen = torch.Generator().manual_seed(8)
+    for step in range(4):
+        if step == 2:
+            for m, opt in ((ref, ref_opt), (model, engine.user_optimizer)):
+                m.head.requires_grad_(True)
+                opt.param_groups[0]["params"].extend(m.head.parameters())
+        data = batches(gen, WORLD)
+        ref_step(ref, ref_opt, data)
+        engine_step(engine, data)
+    out = compare(engine, ref, ref_opt, initial)
+    out["head_moved"] = (ref.head.weight - initial["head.weight"]).abs().max().item()
+    return out
+
+
+def owner_placed(stage: int) -> dict[str, Any]:
+    """Adafactor (each parameter updated whole on an owning rank) with an empty first group,
+    and an empty group added after 2 steps, against torch; then a group with parameters
+    added, which owners placed at construction cannot take: refused at the next forward."""
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    initial = copy.deepcopy(ref.state_dict())
+
+    def build(m: nn.Module) -> torch.optim.Optimizer:
+        m.head.requires_grad_(False)
+        return torch.optim.Adafactor(
+            [{"params": []}, {"params": [p for p in m.parameters() if p.requires_grad]}],
+            lr=0.02)
+
+    ref_opt = build(ref)
+    engine = zs.ZeroEngine(model, build(model), zs.ZeroConfig(**STAGES[stage]))
+    gen = torch.Generator().manual_seed(9)
+    for step in range(4):
+        if step == 2:
+            for opt in (ref_opt, engine.user_optimizer):
+                opt.add_param_group({"params": [], "lr": 0.5})
+        data = batches(gen, WORLD)
+        ref_step(ref, ref_opt, data)
+        engine_step(engine, data)
+    out = compare(engine, ref, ref_opt, initial)
+    model.head.requires_grad_(True)
+    engine.user_optimizer.add_param_group({"params": list(model.head.parameters())})
+    try:
+        engine_step(engine, batches(gen, WORLD))
+        out["refused"] = "no error"
+    except ValueError as e:
+        out["refused"] = str(e)
     return out
 
 
@@ -191,6 +257,19 @@ def refusals(stage: int) -> dict[str, str]:
     engine.user_optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
     gen = torch.Generator().manual_seed(1)
     attempt("foreign_added", lambda: engine_step(engine, batches(gen, WORLD)))
+    # several optimizers: their groups are numbered in order, only the last may grow
+    torch.manual_seed(0)
+    model = Net()
+    model.head.requires_grad_(False)
+    sgd = torch.optim.SGD([{"params": []}, {"params": list(model.blk.parameters())}], lr=0.1)
+    rest = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith("blk.")]
+    engine = zs.ZeroEngine(model, [sgd, adamw([{"params": rest}], False)], config)
+    model.head.requires_grad_(True)
+    sgd.param_groups[0]["params"].append(model.head.weight)
+    attempt("first_of_two_grown", lambda: engine_step(engine, batches(gen, WORLD)))
+    sgd.param_groups[0]["params"].pop()
+    sgd.add_param_group({"params": [model.head.weight]})
+    attempt("first_of_two_added", lambda: engine_step(engine, batches(gen, WORLD)))
     return out
 
 
@@ -239,5 +318,7 @@ for _stage in STAGES:
         register(f"empty_{_shape}_stage{_stage}", empty_groups, stage=_stage, shape=_shape)
     register(f"late_stage{_stage}", late_groups, stage=_stage)
     register(f"refusals_stage{_stage}", refusals, stage=_stage)
+    register(f"grown_in_place_stage{_stage}", grown_in_place, stage=_stage)
+register("owner_placed_stage3", owner_placed, stage=3)
 register("resume_alone_first_empty", resume_alone, stage=2, shape="first_empty")
 register("resume_alone_all_but_one", resume_alone, stage=0, shape="all_but_one")
