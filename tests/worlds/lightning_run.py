@@ -25,7 +25,8 @@ The parts, also runnable alone (``memory``, ``trainer``, ``fabric``, ``init``,
              load_from_checkpoint on the directory ModelCheckpoint reports; consolidate and
              load_from_checkpoint; a bf16-mixed run; two optimizers refused; Muon and AdamW
              as one CombinedOptimizer against single-process training, resumed from a
-             checkpoint (tests/support/several_optimizers.py).
+             checkpoint (tests/support/several_optimizers.py); BackboneFinetuning; a
+             bias/LayerNorm-only fine-tune whose first param group is empty, against DDP.
     fabric   the same for Fabric (tests/worlds/lightning_fabric_scenarios.py).
     init     sharded init (configure_model / init_module(empty_init=True) at stage 3) starts
              from DDP's weights and generator state (tests/worlds/lightning_init_scenarios.py).
