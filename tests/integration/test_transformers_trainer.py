@@ -1,7 +1,8 @@
 """transformers.Trainer under ZeRO beyond the quick tier's stage-3 case: stages 1 and 2 and
 stage 3 with CPU offload against plain Trainer (DDP), each resumed from checkpoint-2; TRL's
 SFTTrainer with a LoRA adapter on a frozen, sharded base; and ``generate()`` at stage 3 with
-ranks that stop at different lengths."""
+ranks that stop at different lengths; a bias/LayerNorm-only fine-tune (Trainer's decay group
+empty), built whole and streamed from a pretrained folder."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ SCENARIOS = ["fit_ddp", *(f"fit_{v}" for v in VARIANTS), *(f"resume_{v}" for v i
              "sft_ddp", "sft_z0", "sft_z3", "generate_ddp", "generate_z2", "generate_z3",
              "best_ddp", "best_z3", "precision", "streamed_ddp", "streamed_z3",
              "evaluated_ddp", "evaluated_z0", "evaluated_z3", "seq2seq_ddp", "seq2seq_z3",
-             "schedules_ddp", "schedules_z3"]
+             "schedules_ddp", "schedules_z3", "nodecay_ddp", "nodecay_z1", "nodecay_z3",
+             "nodecay_streamed_ddp", "nodecay_streamed_z3"]
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +163,26 @@ def test_every_lr_scheduler_type_matches_plain_trainer(runs: dict) -> None:
             continue
         C.assert_close_lists(ddp[name]["lr"], z3[name]["lr"], f"{name} lr")
         C.assert_close_lists(ddp[name]["loss"], z3[name]["loss"], f"{name} loss")
+
+
+@pytest.mark.parametrize("case", ["z1", "z3", "streamed_z3"])
+def test_no_decay_only_fine_tune_equals_plain_trainer(runs: dict, case: str) -> None:
+    """Only biases and LayerNorms train (streamed: only ``ln_f``), so Trainer's first param
+    group, the weight-decay one, is empty: it crashed ``ZeroAccelerator.prepare`` with an
+    IndexError. Now the same history and saved weights as plain Trainer (DDP) within its
+    bound, and the frozen weights bit for bit."""
+    reference = "nodecay_streamed_ddp" if case.startswith("streamed") else "nodecay_ddp"
+    ddp, zero = C.ok(runs[reference]), C.ok(runs[f"nodecay_{case}"])
+    assert ddp["group_sizes"][0] == 0 and ddp["group_sizes"][1] > 0, ddp["group_sizes"]
+    # the user's groups keep their places; stage 3 appends one for the frozen weights it
+    # shards (lr 0: nothing moves them, see integrations/hf/trainer.py)
+    assert zero["group_sizes"][:2] == ddp["group_sizes"], zero["group_sizes"]
+    assert zero["trained"] == ddp["trained"]
+    for key in ("loss", "grad_norm", "lr"):
+        C.assert_close_lists(ddp[key], zero[key], f"no-decay {case} {key}")
+    ours, theirs = C.weights(zero["final"]), C.weights(ddp["final"])
+    C.assert_key_bias_inert(ours, lr=1e-2, steps=len(zero["loss"]))
+    diff = C.max_rel_diff(theirs, ours)
+    assert diff <= C.RTOL, f"saved weights differ from plain Trainer's by {diff:.2e}"
+    frozen = [k for k in theirs if k not in ddp["trained"]]
+    assert frozen and all(torch.equal(ours[k], theirs[k]) for k in frozen), "a frozen one moved"

@@ -234,3 +234,47 @@ def test_a_launch_that_accelerate_counts_as_one_process_is_refused(
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)  # whatever ran before
     with pytest.raises(RuntimeError, match="2 processes were launched but Accelerate counts 1"):
         _ensure_process_group(torch.device("cpu"), num_processes=1)
+
+
+def _positions(*args: object) -> tuple[int, list[int]] | None:
+    """Which argument of ``prepare(*args)`` the engine trains, and its optimizers' positions:
+    the selection alone, without building anything (the engine's own parity with empty groups
+    is tests/quick/test_optimizer_groups.py; a Trainer whose first group is empty:
+    tests/integration/test_transformers_trainer.py)."""
+    import types
+
+    from zero_strategy.integrations.accelerate.accelerator import ZeroAccelerator
+
+    unprepared = types.SimpleNamespace(_zero_model=None)
+    return ZeroAccelerator._zero_positions(unprepared, args)  # type: ignore[arg-type]
+
+
+def test_prepare_finds_the_model_of_an_optimizer_whose_first_group_is_empty() -> None:
+    """Trainer's "decay" group is empty when only biases and norms train; it crashed prepare
+    with IndexError (``param_groups[0]["params"][0]``)."""
+    frozen, model = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    trained = torch.optim.AdamW([{"params": []}, {"params": [model.bias]}, {"params": []}])
+    assert _positions(frozen, model, trained) == (1, [2])
+    # An optimizer with no parameter yet (torch accepts one) goes with the call's others,
+    nothing = torch.optim.SGD([{"params": []}], lr=0.1)
+    assert _positions(frozen, nothing, model, trained) == (2, [1, 3])
+    # or with the only model, whose engine then names what is missing.
+    assert _positions(model, nothing) == (0, [1])
+
+
+@pytest.mark.parametrize("args, match", [
+    ("two_models_nothing", r"param groups are all empty \(SGD \(argument 2\)\) and 2 models "
+                           r"\(arguments \[0, 1\]\)"),
+    ("no_model", r"optimizers \(SGD \(argument 0\)\) but not the model"),
+    ("foreign", r"got an optimizer \(AdamW, argument 1\) but not the model it was built on"),
+    ("two_owners", r"built on different models \(arguments \[0, 1\]\)"),
+])
+def test_prepare_refuses_what_names_no_single_model(args: str, match: str) -> None:
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    nothing = torch.optim.SGD([{"params": []}], lr=0.1)
+    calls = {"two_models_nothing": (a, b, nothing), "no_model": (nothing,),
+             "foreign": (a, torch.optim.AdamW([{"params": []}, {"params": b.parameters()}])),
+             "two_owners": (a, b, torch.optim.AdamW(a.parameters()),
+                            torch.optim.AdamW([{"params": []}, {"params": b.parameters()}]))}
+    with pytest.raises(ValueError, match=match):
+        _positions(*calls[args])

@@ -282,6 +282,21 @@ def test_backbone_finetuning_callback(suite: dict[str, list[Any]], name: str) ->
         assert worst <= TOL, f"{name} differs from stage 0 by {worst:.2e}"
 
 
+def test_empty_first_param_group_trains_as_ddp(suite: dict[str, list[Any]]) -> None:
+    """A bias/LayerNorm-only fine-tune whose weight-decay group (the first) is empty, at
+    stage 3 with every parameter sharded, against Lightning's DDP (TOL: fp32 summation order)."""
+    for r, ref in zip(check(suite["nodecay_zero3"]), check(suite["nodecay_ddp"])):
+        assert r["moved"] == ref["moved"] and r["moved"], "other parameters trained than DDP's"
+        assert all(k.endswith("bias") or ".norm." in k for k in r["moved"]), r["moved"]
+        assert r["lrs"] == ref["lrs"] and r["lrs"][0] != r["lrs"][1], "per-group lrs differ"
+        a = {k: torch.tensor(v) for k, v in r["weights"].items()}
+        b = {k: torch.tensor(v) for k, v in ref["weights"].items()}
+        worst = max(((a[k] - b[k]).abs().max() / b[k].abs().max()).item() for k in b)
+        assert worst <= TOL, f"differs from DDP by {worst:.2e}"
+        for x, y in zip(r["loss"], ref["loss"]):
+            assert x == pytest.approx(y, rel=TOL)
+
+
 def test_every_preset_is_trained_in_one_tier() -> None:
     """A preset added to the package is trained against DDP by one of the two tiers."""
     from tests.worlds.lightning_launch import OTHER_PRESETS

@@ -25,7 +25,8 @@ The parts, also runnable alone (``memory``, ``trainer``, ``fabric``, ``init``,
              load_from_checkpoint on the directory ModelCheckpoint reports; consolidate and
              load_from_checkpoint; a bf16-mixed run; two optimizers refused; Muon and AdamW
              as one CombinedOptimizer against single-process training, resumed from a
-             checkpoint (tests/support/several_optimizers.py).
+             checkpoint (tests/support/several_optimizers.py); BackboneFinetuning; a
+             bias/LayerNorm-only fine-tune whose first param group is empty, against DDP.
     fabric   the same for Fabric (tests/worlds/lightning_fabric_scenarios.py).
     init     sharded init (configure_model / init_module(empty_init=True) at stage 3) starts
              from DDP's weights and generator state (tests/worlds/lightning_init_scenarios.py).
@@ -495,6 +496,36 @@ def finetune(strategy: Any) -> dict[str, Any]:
             "groups": len(t.optimizers[0].param_groups)}
 
 
+class NoDecayModule(MLPModule):
+    """Bias and LayerNorm tuning as transformers' Trainer groups it: every weight matrix
+    frozen, so the weight-decay group (the first) is empty; a LambdaLR with one lambda per
+    group, which lines up only if the empty group keeps its place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for name, p in self.named_parameters():
+            p.requires_grad_(name.endswith("bias") or ".norm." in name)
+
+    def configure_optimizers(self) -> Any:
+        trained = [p for p in self.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW([{"params": [], "weight_decay": 0.1},
+                                 {"params": trained, "weight_decay": 0.0}], lr=3e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda k: 0.5**k, lambda k: 0.9**k])
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def no_decay(strategy: Any) -> dict[str, Any]:
+    """Fit ``NoDecayModule``; the weights, the losses and both groups' final lr."""
+    rec, model = Recorder(), NoDecayModule()
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    t = trainer(strategy, 2 * K, [rec])
+    t.fit(model, loader(1))
+    weights = weights_of(t, model)
+    return {"weights": {k: v.flatten().tolist() for k, v in weights.items()}, "loss": rec.loss,
+            "lrs": [g["lr"] for g in t.optimizers[0].param_groups],
+            "moved": sorted(k for k, v in weights.items() if not torch.equal(v, initial[k]))}
+
+
 def trainer_suite(results: Results, out: Path, presets: tuple[str, ...],
                   extras: bool = True) -> None:
     """DDP's reference, then each of ``presets`` against it; with ``extras`` the scenarios
@@ -521,6 +552,9 @@ def trainer_suite(results: Results, out: Path, presets: tuple[str, ...],
     results.run("finetune_zero2", lambda: finetune("zero2"))
     results.run("finetune_zero3", lambda: finetune(ZeroStrategy(
         stage=3, unit_numel=100, param_persistence_threshold=40, timeout=TIMEOUT)))
+    results.run("nodecay_ddp", lambda: no_decay(DDPStrategy(timeout=TIMEOUT)))
+    results.run("nodecay_zero3", lambda: no_decay(ZeroStrategy(
+        stage=3, unit_numel=100, param_persistence_threshold=0, timeout=TIMEOUT)))
 
 
 # ---------------------------------------------------------------------- memory suite

@@ -217,6 +217,19 @@ SCENARIOS["best_z3"] = functools.partial(_best, "z3")
 SCENARIOS["precision"] = functools.partial(_precision, "z3")
 
 
+def _pretrained_folder(out: Path) -> Path:
+    """The tiny GPT-2 saved with ``save_pretrained`` under ``out``. No process group exists
+    before the first Trainer (users call from_pretrained first): rank 0 publishes the folder
+    by a rename, the others wait for it."""
+    folder = out / "pretrained"
+    if os.environ["RANK"] == "0" and not folder.exists():
+        tiny_gpt2().save_pretrained(out / "pretrained.tmp")
+        (out / "pretrained.tmp").rename(folder)
+    while not folder.exists():
+        time.sleep(0.05)
+    return folder
+
+
 def _streamed(mode: str, out: Path, evaluate_first: bool = False,
               train: bool = True) -> dict[str, Any]:
     """A pretrained folder: plain Trainer gets ``GPT2LMHeadModel.from_pretrained``, a ZeRO
@@ -225,14 +238,7 @@ def _streamed(mode: str, out: Path, evaluate_first: bool = False,
     and ``save_model``."""
     from zero_strategy.transformers import from_pretrained
 
-    folder = out / "pretrained"
-    # No process group exists before the first Trainer (users call from_pretrained first):
-    # rank 0 publishes the folder by a rename, the others wait for it.
-    if os.environ["RANK"] == "0" and not folder.exists():
-        tiny_gpt2().save_pretrained(out / "pretrained.tmp")
-        (out / "pretrained.tmp").rename(folder)
-    while not folder.exists():
-        time.sleep(0.05)
+    folder = _pretrained_folder(out)
     run = out / f"streamed_{mode}_{int(evaluate_first)}{int(train)}"
     model = (GPT2LMHeadModel.from_pretrained(folder) if MODES[mode] is None
              else from_pretrained(GPT2LMHeadModel, folder))
@@ -255,6 +261,37 @@ SCENARIOS["streamed_z3"] = functools.partial(_streamed, "z3")
 SCENARIOS["evaluated_ddp"] = functools.partial(_streamed, "ddp", evaluate_first=True, train=False)
 SCENARIOS["evaluated_z0"] = functools.partial(_streamed, "z0", evaluate_first=True)
 SCENARIOS["evaluated_z3"] = functools.partial(_streamed, "z3", evaluate_first=True)
+
+
+def _no_decay_only(mode: str, out: Path, streamed: bool = False) -> dict[str, Any]:
+    """Bias and LayerNorm tuning: everything else frozen, so Trainer's weight-decay group (its
+    first) is empty. Streamed: a pretrained folder (``from_pretrained`` on meta for ZeRO) with
+    only the final LayerNorm trained."""
+    if streamed:
+        from zero_strategy.transformers import from_pretrained
+
+        folder = _pretrained_folder(out)
+        model = (GPT2LMHeadModel.from_pretrained(folder) if MODES[mode] is None
+                 else from_pretrained(GPT2LMHeadModel, folder))
+    else:
+        model = tiny_gpt2()
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("transformer.ln_f.") if streamed
+                         else name.endswith(".bias") or ".ln_" in name)
+    run = out / f"nodecay_{mode}_{int(streamed)}"
+    trainer = trainer_for(mode, model=model, train_dataset=Tokens(),
+                          args=arguments(run, learning_rate=1e-2, weight_decay=0.1))
+    trainer.train()
+    trainer.save_model(str(run / "final"))
+    groups = [len(g["params"]) for g in trainer.optimizer.param_groups]
+    return {**history(trainer), "final": str(run / "final"), "group_sizes": groups,
+            "trained": sorted(n for n, p in model.named_parameters() if p.requires_grad)}
+
+
+for _mode in ("ddp", "z1", "z3"):
+    SCENARIOS[f"nodecay_{_mode}"] = functools.partial(_no_decay_only, _mode)
+SCENARIOS["nodecay_streamed_ddp"] = functools.partial(_no_decay_only, "ddp", streamed=True)
+SCENARIOS["nodecay_streamed_z3"] = functools.partial(_no_decay_only, "z3", streamed=True)
 
 
 # ---------------------------------------------------------------------------------- TRL + LoRA

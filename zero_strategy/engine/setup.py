@@ -233,6 +233,14 @@ def managed_parameters(
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
+    if not any(group["params"] for group in optimizer.param_groups):
+        # torch accepts such an optimizer (its step does nothing); an engine would train nothing
+        count = len(optimizer.param_groups)
+        which = "its only param group is" if count == 1 else f"its {count} param groups are all"
+        raise ValueError(
+            f"the optimizer holds no parameter: {which} empty, so there is nothing to train; "
+            "build it over the model's trainable parameters (empty groups beside non-empty "
+            "ones are fine)")
     names = {id(p): n for n, p in model.named_parameters()}
     group_of: dict[int, int] = {}
     for gi, group in enumerate(optimizer.param_groups):
@@ -251,8 +259,6 @@ def managed_parameters(
             f"{' ...' if len(missing) > 5 else ''}; add them to the optimizer or freeze them "
             "with requires_grad_(False)"
         )
-    if not managed:
-        raise ValueError("the optimizer holds no parameter of the model: nothing to train")
     _check_dtypes(managed)
     return managed, group_of
 

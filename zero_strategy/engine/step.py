@@ -180,9 +180,9 @@ def _follow_trainability(parts: EngineParts) -> None:
 
 
 def _adopt_new_parameters(parts: EngineParts) -> None:
-    parts.optimizer.check_adoptable()
     managed, group_of = managed_parameters(parts.module, parts.user_optimizer, strict=False)
     new = [(n, p) for n, p in managed if id(p) not in parts.param_names]
+    parts.optimizer.check_adoptable({n: group_of[id(p)] for n, p in new})
     if not new:
         return
     if parts.runtime.grads_pending_step or any(u.used.count(True) for u in parts.units):

@@ -253,24 +253,38 @@ class ShardedOptimizer:
                 self.parts.append(OwnerPart(opt, first, units, comm, exchange_numel))
             first += len(opt.param_groups)
 
-    def check_adoptable(self) -> None:
-        """Groups may be added to the last optimizer only, and only to a shard-placed one:
-        groups are numbered across the optimizers, and owners are placed at construction."""
+    def check_adoptable(self, new: dict[str, int]) -> None:
+        """Parameters ``new`` (name: its group, numbered across the optimizers) may join the
+        last optimizer only, and only a shard-placed one: groups are numbered across the
+        optimizers, so a group added before the last would shift the numbers of the groups
+        after it, and owner-placed optimizers place their parameters at construction. Any
+        optimizer's groups may be edited in place; empty groups may be added to the last."""
+        last = len(self.parts) - 1
         for k, part in enumerate(self.parts):
-            if len(part.user.param_groups) == len(part.groups):
-                continue
-            name = type(part.user).__name__
-            if k != len(self.parts) - 1:
+            added = part.user.param_groups[len(part.groups):]
+            if added and k != last:
                 raise ValueError(
-                    f"a param group was added to {name}, optimizer {k} of {len(self.parts)}: "
-                    "with several optimizers only the last may gain groups after the engine "
-                    "is built; build the others with every parameter they will train (frozen "
-                    "ones included)")
-            if not isinstance(part, ShardPart):
-                raise ValueError(
-                    f"a param group was added to {name}, whose parameters are placed whole on "
-                    "owning ranks when the engine is built; build it with every parameter it "
+                    f"a param group was added to {type(part.user).__name__}, optimizer {k} of "
+                    f"{len(self.parts)}: with several optimizers only the last may gain groups "
+                    "after the engine is built; build the others with every parameter they "
                     "will train (frozen ones included)")
+        first_of_last = self.parts[last].groups.start
+        elsewhere = [n for n, g in new.items() if g < first_of_last]
+        if elsewhere:
+            group = new[elsewhere[0]]
+            k = max(i for i, part in enumerate(self.parts) if part.groups.start <= group)
+            raise ValueError(
+                f"parameters {elsewhere[:5]} were added to a param group of "
+                f"{type(self.parts[k].user).__name__}, optimizer {k} of {len(self.parts)}: "
+                "with several optimizers only the last may gain parameters after the engine "
+                "is built; build the others with every parameter they will train (frozen "
+                "ones included)")
+        if new and not isinstance(self.parts[last], ShardPart):
+            raise ValueError(
+                f"parameters {list(new)[:5]} were added to {type(self.parts[last].user).__name__}"
+                ", whose parameters are placed whole on owning ranks when the engine is built; "
+                "build it with every parameter it will train (frozen ones included; empty "
+                "param groups may be added)")
 
     def add_units(self, units: list[Unit]) -> None:
         """Parameters the engine took over after construction (unfrozen and added to the

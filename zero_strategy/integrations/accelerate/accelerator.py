@@ -222,12 +222,7 @@ class ZeroAccelerator(Accelerator):
                 )
             return None  # e.g. only data loaders, or a frozen extra model after the ZeRO one
         owners = {o: _model_of(args, o, models) for o in optimizers}
-        if len(set(owners.values())) > 1:
-            raise ValueError(
-                "ZeroAccelerator trains one model, with all of its optimizers: the optimizers "
-                f"of this prepare() call (arguments {optimizers}) are built on different models "
-                f"(arguments {sorted(set(owners.values()))})")
-        return owners[optimizers[0]], optimizers
+        return _owner_of_all(args, owners, models), optimizers
 
     def _build_engine(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],
                       placement: bool | None) -> tuple[ZeroModel, list[ZeroOptimizer]]:
@@ -444,15 +439,44 @@ class ZeroAccelerator(Accelerator):
 
 
 # ---------------------------------------------------------------------------------- helpers
-def _model_of(args: tuple[Any, ...], optimizer: int, models: list[int]) -> int:
-    """Position of the model ``args[optimizer]`` was built on (its first parameter's)."""
-    first = args[optimizer].param_groups[0]["params"][0]
-    owners = [i for i in models if any(p is first for p in args[i].parameters())]
+def _model_of(args: tuple[Any, ...], optimizer: int, models: list[int]) -> int | None:
+    """Position of the model ``args[optimizer]`` was built on (the one holding its parameters),
+    or None for an optimizer that holds none yet (every param group empty): torch accepts
+    one, and it follows the call's other optimizers (``_zero_positions``)."""
+    held = {id(p) for group in args[optimizer].param_groups for p in group["params"]}
+    if not held:
+        return None
+    owners = [i for i in models if any(id(p) in held for p in args[i].parameters())]
     if not owners:
         raise ValueError(
             f"prepare() got an optimizer ({type(args[optimizer]).__name__}, argument "
             f"{optimizer}) but not the model it was built on; pass them in the same call")
     return owners[0]
+
+
+def _owner_of_all(args: tuple[Any, ...], owners: dict[int, int | None],
+                  models: list[int]) -> int:
+    """The one model the call's optimizers train. Optimizers with no parameter yet follow the
+    others; when none holds one, the call's only model (the engine then names what is
+    missing: the trainable parameters, or that nothing is trainable)."""
+    found = sorted({m for m in owners.values() if m is not None})
+    if len(found) > 1:
+        raise ValueError(
+            "ZeroAccelerator trains one model, with all of its optimizers: the optimizers "
+            f"of this prepare() call (arguments {sorted(owners)}) are built on different "
+            f"models (arguments {found})")
+    if found:
+        return found[0]
+    if len(models) == 1:
+        return models[0]
+    names = ", ".join(f"{type(args[o]).__name__} (argument {o})" for o in owners)
+    if not models:
+        raise ValueError(f"prepare() got optimizers ({names}) but not the model they train; "
+                         "pass them in the same call")
+    raise ValueError(
+        f"prepare() got optimizers whose param groups are all empty ({names}) and "
+        f"{len(models)} models (arguments {models}): nothing says which model they train; "
+        "build the optimizer over the model's parameters, or pass that model alone")
 
 
 def _seed_workers_from_a_copy(loader: Any) -> None:
