@@ -24,8 +24,14 @@ def forward(parts: EngineParts, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         with torch.no_grad(), record_function("zero::broadcast_buffers"):
             parts.comm.broadcast_coalesced(parts._buffers)
     args, kwargs = parts.plan.policy.cast_inputs(args, kwargs)
-    with record_function("zero::forward"), parts.activations.forward_pass():
-        output = parts.module(*args, **kwargs)
+    try:
+        with record_function("zero::forward"), parts.activations.forward_pass():
+            output = parts.module(*args, **kwargs)
+    except BaseException:
+        # The pass is abandoned (zero_grad() resets the runtime): what it saved for a
+        # backward that will not come goes now, not when the caller drops the traceback.
+        parts.activations.release_failed()
+        raise
     parts.runtime.end_forward()
     return output
 
@@ -39,6 +45,7 @@ def backward(parts: EngineParts, loss: torch.Tensor, **kwargs: Any) -> None:
             loss.backward(**kwargs)
         except BaseException:
             parts.runtime.interrupted = True  # zero_grad() matches the peers' reductions
+            parts.activations.release_failed()  # every file the failed pass still holds
             raise
 
 
