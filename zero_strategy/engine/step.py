@@ -43,9 +43,13 @@ def backward(parts: EngineParts, loss: torch.Tensor, **kwargs: Any) -> None:
     with record_function("zero::backward"):
         try:
             loss.backward(**kwargs)
-        except BaseException:
+        except BaseException as e:
             parts.runtime.interrupted = True  # zero_grad() matches the peers' reductions
             parts.activations.release_failed()  # every file the failed pass still holds
+            # Peers still in this backward wait for reductions this rank will not issue
+            # now: their timeout names this rank and its error.
+            parts.comm.report_failure(
+                f"{type(e).__name__} in backward at step {parts.global_step}: {e}")
             raise
 
 

@@ -1,0 +1,78 @@
+"""A fault injector for the engine's steps: named points of a step made to fail on demand.
+
+``disk_full`` makes one of ``os``'s write functions refuse with ENOSPC from its k-th call on,
+as a filesystem that fills up does (it stays full until the block ends): ``pwrite`` is the
+activation writer's (``core/activations.py``), ``pwritev`` the disk tier's write-back
+(``offload/disk.py``). Deterministic, unlike a real small tmpfs, whose first failing write
+depends on sizes and timing (tests/integration/test_disk_faults.py uses one too).
+
+``census`` counts what a failed step must not leave behind: the files under a folder and the
+process's open descriptors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+WRITERS = ("pwrite", "pwritev")
+"""The write functions that can be made to fail: the activation writer's, the disk tier's."""
+
+
+@dataclass
+class Injected:
+    """What an injection did: how many calls it saw, how many it refused."""
+
+    calls: int = 0
+    refused: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+@contextlib.contextmanager
+def disk_full(function: str = "pwrite", after: int = 0) -> Iterator[Injected]:
+    """``os.<function>`` raises ``OSError(ENOSPC)`` from call ``after + 1`` on (0: at once)
+    until the block ends; calls before go through. Patched on the ``os`` module, so the
+    writer threads see it too."""
+    if function not in WRITERS:
+        raise ValueError(f"disk_full: {function!r} is not one of {WRITERS}")
+    real: Callable[..., Any] = getattr(os, function)
+    seen = Injected()
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        with seen._lock:
+            seen.calls += 1
+            refuse = seen.calls > after
+            seen.refused += refuse
+        if refuse:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(*args, **kwargs)
+
+    setattr(os, function, failing)
+    try:
+        yield seen
+    finally:
+        setattr(os, function, real)
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def files_under(folder: str | None) -> list[str]:
+    """Every file and folder below ``folder`` (relative paths), sorted."""
+    if folder is None or not os.path.isdir(folder):
+        return []
+    out = []
+    for root, dirs, files in os.walk(folder):
+        out += [os.path.relpath(os.path.join(root, n), folder) for n in dirs + files]
+    return sorted(out)
+
+
+def census(folder: str | None) -> dict[str, Any]:
+    """What a failed step must give back: the files under ``folder``, open descriptors."""
+    return {"files": files_under(folder), "fds": open_descriptors()}

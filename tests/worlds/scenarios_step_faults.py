@@ -1,0 +1,113 @@
+"""Faults in the middle of a step, caught, then training on (issue 51): at N=1 and N=2
+(tests/quick/test_step_faults.py), each compared with a reference engine built alike that
+never ran the failed micro-batch, bit for bit.
+
+A full disk under ``offload_activations="disk"`` (``tests.support.faults.disk_full``): the
+step raises the tier's ``DiskFullError`` naming the folder, the module and the bytes; the
+files and descriptors the step took are given back; the next steps train as the reference.
+The one-rank fault runs last, in a group of its own with a short timeout (it leaves that
+group's collectives unmatched).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import zero_strategy as zs
+from tests.support.faults import census, disk_full
+from tests.support.harness import register
+from tests.support.models import batch, loss_of, make_model, make_optimizer, zero_config
+from zero_strategy.offload.disk import DiskFullError
+
+KIND = "mlp"
+
+
+def _engine(stage: int, folder: str, group: Any = None, **extra: Any) -> zs.ZeroEngine:
+    model = make_model(KIND)
+    return zs.ZeroEngine(model, make_optimizer("adamw", model), zero_config(
+        KIND, stage, activation_checkpointing=True, offload_activations="disk",
+        offload_dir=folder, **extra), process_group=group)
+
+
+def _step(engine: zs.ZeroEngine, data: dict[str, torch.Tensor]) -> float:
+    loss = loss_of(KIND, engine, data)
+    engine.backward(loss)
+    engine.clip_grad_norm_(1.0)
+    engine.step()
+    return loss.item()
+
+
+def _failed_step(engine: zs.ZeroEngine, data: dict[str, torch.Tensor],
+                 fail: bool) -> dict[str, Any]:
+    """One step, its second activation write refused with ENOSPC where ``fail``."""
+    out: dict[str, Any] = {"raised": None}
+    try:
+        with disk_full("pwrite", after=1 if fail else 10**9) as seen:
+            _step(engine, data)
+    except OSError as e:
+        out.update(raised=type(e).__name__, errno=e.errno, message=str(e),
+                   is_disk_full=isinstance(e, DiskFullError))
+    finally:
+        engine.zero_grad()
+    out["refused"] = seen.refused
+    return out
+
+
+def _same_state(a: zs.ZeroEngine, b: zs.ZeroEngine) -> dict[str, bool]:
+    wa, wb = a.full_state_dict(), b.full_state_dict()
+    oa, ob = a.optimizer_state_dict()["state"], b.optimizer_state_dict()["state"]
+    return {
+        "weights": wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa),
+        "optimizer": oa.keys() == ob.keys() and all(
+            torch.equal(torch.as_tensor(oa[i][k]), torch.as_tensor(ob[i][k]))
+            for i in oa for k in oa[i]),
+    }
+
+
+def activations_disk_full(stage: int) -> dict[str, Any]:
+    """Every rank's disk fills in step 1; steps 2-3 must equal a reference without step 1."""
+    rank = dist.get_rank()
+    folder = tempfile.mkdtemp(prefix="zs-stepfault-")
+    engine, ref = _engine(stage, folder), _engine(stage, tempfile.mkdtemp(prefix="zs-ref-"))
+    gen = torch.Generator().manual_seed(7 + rank)
+    data = [batch(KIND, gen) for _ in range(4)]
+    _step(engine, data[0]), _step(ref, data[0])
+    before = census(folder)
+    out = _failed_step(engine, data[1], fail=True)
+    out["census_before"], out["census_after"] = before, census(folder)
+    out["losses"] = [_step(engine, d) for d in data[2:]]
+    out["ref_losses"] = [_step(ref, d) for d in data[2:]]
+    out["same"] = _same_state(engine, ref)
+    out["census_end"] = census(folder)
+    engine.close(), ref.close()
+    out["left"] = os.listdir(folder)
+    return out
+
+
+def one_rank_disk_full() -> dict[str, Any]:
+    """Only rank 0's disk fills: rank 0 raises the DiskFullError, rank 1, waiting for its
+    reductions, a timeout that names rank 0 and its error, within the bound; never a hang."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+    folder = tempfile.mkdtemp(prefix="zs-stepfault-")
+    engine = _engine(2, folder, group=group, timeout=2.0)
+    gen = torch.Generator().manual_seed(11 + dist.get_rank())
+    _step(engine, batch(KIND, gen))
+    out: dict[str, Any] = {"raised": None}
+    try:
+        with disk_full("pwrite", after=1 if dist.get_rank() == 0 else 10**9):
+            _step(engine, batch(KIND, gen))
+    except Exception as e:  # noqa: BLE001 - which error, and its words, is the result
+        out.update(raised=type(e).__name__, message=str(e))
+    return out
+
+
+for _stage in (2, 3):
+    register(f"activations_disk_full_s{_stage}", activations_disk_full, stage=_stage)
+if os.environ.get("WORLD_SIZE", "1") != "1":
+    register("one_rank_disk_full", one_rank_disk_full)
