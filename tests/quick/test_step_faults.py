@@ -51,3 +51,25 @@ def test_a_full_disk_on_one_rank_is_named_by_the_other(world: tuple[int, dict]) 
     assert peer["raised"] in ("CollectiveTimeout", "CollectiveError"), peer
     assert "rank 0 failed: DiskFullError in backward" in peer["message"], peer["message"]
     assert "offload_dir=" in peer["message"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("share", [0, 50, 90])
+def test_full_disk_under_the_tier_is_named_then_recovered_or_refused_until_reload(
+        world: tuple[int, dict], stage: int, share: int) -> None:
+    size, results = world
+    if size != 1:
+        pytest.skip("the disk tier's write-back faults run at N=1 (not agreed across ranks)")
+    r = check(results[f"tier_disk_full_s{stage}_{share}"])[0]
+    assert r["calls_in_a_step"] > 0
+    assert r["raised"] == "DiskFullError" and r["is_disk_full"] and r["errno"] == errno.ENOSPC, r
+    assert "offload_dir='/tmp/zs-tierfault-" in r["message"], r["message"]
+    assert "could not write back" in r["message"] and " bytes)" in r["message"], r["message"]
+    if r["refused"] is not None:  # cut an optimizer step short: reload, never train on
+        assert "reload the last checkpoint" in r["refused"], r["refused"]
+        assert "refuses to train" in r["message"], r["message"]
+    assert r["census_after"] == r["census_before"], (r["census_before"], r["census_after"])
+    assert r["census_end"] == r["census_before"]
+    assert r["losses"] == r["ref_losses"]
+    assert r["same"] == {"weights": True, "optimizer": True}
+    assert r["left"] == []

@@ -17,7 +17,7 @@ from .setup import managed_parameters, signature
 
 
 def forward(parts: EngineParts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    parts.check_open("forward")
+    parts.check_trainable("forward")
     _follow_trainability(parts)
     parts.runtime.begin_forward()
     if parts.plan.broadcast_buffers and parts._buffers:
@@ -37,6 +37,7 @@ def forward(parts: EngineParts, args: tuple[Any, ...], kwargs: dict[str, Any]) -
 
 
 def backward(parts: EngineParts, loss: torch.Tensor, **kwargs: Any) -> None:
+    parts.check_trainable("backward")
     parts.hooks.ensure_grad_hooks(parts.units, parts.runtime)  # unfrozen since the forward
     if parts.scaler is not None:
         loss = loss.float() * parts.scaler.scale
@@ -111,8 +112,10 @@ def _nonfinite(parts: EngineParts) -> bool:
 
 def step(parts: EngineParts) -> bool:
     """The optimizer step, or a skip on every rank (see ``ZeroEngine.step``)."""
-    parts.check_open("step")
+    parts.check_trainable("step")
     _require_reduced_grads(parts, "step")
+    if parts.tier is not None and parts.tier.failed is not None:
+        raise parts.tier.failed  # a write-back of this pass: nothing updated yet (zero_grad)
     _refuse_stray_grads(parts)
     parts.runtime.settle()  # fp32 masters are views of compute copies a gather may write
     _unscale(parts)
@@ -124,16 +127,36 @@ def step(parts: EngineParts) -> bool:
         zero_grad(parts)
         _report_nonfinite(parts)
     else:
-        parts.optimizer.step()
-        parts.global_step += 1
-        zero_grad(parts)
-        refresh_compute_copies(parts)
+        _update(parts)
     # torch's LR schedulers warn unless the optimizer they wrap was stepped; the engine
     # steps its inner copy (or skips), so record the call on the user's object.
     user = [parts.user_optimizer, *optimizer_parts(parts.user_optimizer)]
     for opt in {id(o): o for o in user}.values():
         opt._opt_called = True  # type: ignore[attr-defined]
     return not nonfinite
+
+
+def _update(parts: EngineParts) -> None:
+    """The optimizer step and what follows it. A disk-tier write-back that fails in here
+    leaves some units updated and others not: the engine refuses to train on until a
+    checkpoint is loaded, rather than go on from a state no run ever had."""
+    try:
+        parts.optimizer.step()
+        if parts.tier is not None and parts.tier.failed is not None:
+            raise parts.tier.failed
+        parts.global_step += 1
+        zero_grad(parts)
+        refresh_compute_copies(parts)
+    except OSError as e:
+        if parts.tier is None or parts.tier.failed is None:
+            raise
+        parts._needs_reload = (f"a disk-tier write-back failed during the optimizer step "
+                               f"after global step {parts.global_step}")
+        parts.tier.recover()
+        raise type(e)(e.errno, f"{e.strerror}. The optimizer step was cut short (some units "
+                               "updated, others not): the engine refuses to train until the "
+                               "last checkpoint is reloaded (engine.load_checkpoint(directory))",
+                      e.filename) from e
 
 
 def _report_nonfinite(parts: EngineParts) -> None:
@@ -157,6 +180,8 @@ def refresh_compute_copies(parts: EngineParts) -> None:
 
 
 def zero_grad(parts: EngineParts) -> None:
+    if parts.tier is not None and parts.tier.failed is not None:
+        parts.tier.recover()  # a failed write-back's memory is kept and written again later
     parts.runtime.reset()
     for unit in parts.units:
         unit.zero_grad()
