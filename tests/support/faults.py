@@ -76,3 +76,47 @@ def files_under(folder: str | None) -> list[str]:
 def census(folder: str | None) -> dict[str, Any]:
     """What a failed step must give back: the files under ``folder``, open descriptors."""
     return {"files": files_under(folder), "fds": open_descriptors()}
+
+
+# ------------------------------------------------------------------ shared checks
+def assert_activation_fault_recovered(r: dict[str, Any], module: str, nbytes: int) -> None:
+    """A step whose activation write met a full disk: named, released, recovered."""
+    assert r["raised"] == "DiskFullError" and r["is_disk_full"], r
+    assert r["errno"] == errno.ENOSPC
+    message = r["message"]
+    # the folder, what was being written, the bytes, and what to do
+    assert "offload_dir='/tmp/zs-stepfault-" in message, message
+    assert f"activation input of module {module!r}" in message, message
+    assert f"{nbytes} bytes needed" in message and "engine.zero_grad()" in message, message
+    assert r["refused"] >= 1
+    # nothing the failed step took is kept: files under the folder, descriptors
+    assert r["census_after"] == r["census_before"], (r["census_before"], r["census_after"])
+    assert r["census_end"] == r["census_before"]
+    # the next steps are the reference's, which never ran the failed step
+    assert r["losses"] == r["ref_losses"]
+    assert r["same"] == {"weights": True, "optimizer": True}
+    assert r["left"] == []
+
+
+def assert_tier_fault_handled(r: dict[str, Any]) -> None:
+    """A step whose disk-tier write-back met a full disk: named; then recovered, or refused
+    until the checkpoint was loaded; the next steps the reference's either way."""
+    assert r["calls_in_a_step"] > 0
+    assert r["raised"] == "DiskFullError" and r["is_disk_full"] and r["errno"] == errno.ENOSPC, r
+    assert "offload_dir='/tmp/zs-tierfault-" in r["message"], r["message"]
+    assert "could not write back" in r["message"] and " bytes)" in r["message"], r["message"]
+    if r["refused"] is not None:  # an optimizer step cut short: reload, never train on
+        assert "reload the last checkpoint" in r["refused"], r["refused"]
+        assert "refuses to train" in r["message"], r["message"]
+    assert r["census_after"] == r["census_before"], (r["census_before"], r["census_after"])
+    assert r["census_end"] == r["census_before"]
+    assert r["losses"] == r["ref_losses"]
+    assert r["same"] == {"weights": True, "optimizer": True}
+    assert r["left"] == []
+
+
+def assert_peer_names_failed_rank(failed: dict[str, Any], peer: dict[str, Any]) -> None:
+    assert failed["raised"] == "DiskFullError", failed
+    assert peer["raised"] in ("CollectiveTimeout", "CollectiveError"), peer
+    assert "rank 0 failed: DiskFullError in backward" in peer["message"], peer["message"]
+    assert "offload_dir=" in peer["message"]
