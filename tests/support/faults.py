@@ -6,6 +6,11 @@ activation writer's (``core/activations.py``), ``pwritev`` the disk tier's write
 (``offload/disk.py``). Deterministic, unlike a real small tmpfs, whose first failing write
 depends on sizes and timing (tests/integration/test_disk_faults.py uses one too).
 
+``inject`` raises ``InjectedFault`` at a named point of an engine's step (``POINTS``): the
+forward of a unit, its recomputation, its backward, its reduction, the clip, the optimizer
+step (before any update, or after the inner optimizer updated: a step cut short), saving and
+loading a checkpointed module's input.
+
 ``census`` counts what a failed step must not leave behind: the files under a folder and the
 process's open descriptors.
 """
@@ -57,6 +62,81 @@ def disk_full(function: str = "pwrite", after: int = 0) -> Iterator[Injected]:
         yield seen
     finally:
         setattr(os, function, real)
+
+
+class InjectedFault(RuntimeError):
+    """Raised by ``inject`` at its point."""
+
+
+POINTS = ("forward", "recompute", "backward", "reduce", "clip", "optimizer_step",
+          "optimizer_step_after", "activation_save", "activation_load")
+"""Where ``inject`` can raise. ``optimizer_step_after`` leaves the optimizer stepped and the
+rest of the step not: the engine must refuse to train until a checkpoint is loaded."""
+
+
+@contextlib.contextmanager
+def inject(engine: Any, point: str, unit: int = -1, fire: bool = True) -> Iterator[Injected]:
+    """Raise ``InjectedFault`` the first time the step reaches ``point`` (of ``engine.units
+    [unit]`` where the point belongs to a unit) inside the block; ``fire=False`` (a rank the
+    fault spares) only counts. Everything patched is put back when the block ends."""
+    if point not in POINTS:
+        raise ValueError(f"inject: {point!r} is not one of {POINTS}")
+    seen = Injected()
+
+    def trip(*_: Any, **__: Any) -> None:
+        seen.calls += 1
+        if fire and not seen.refused:
+            seen.refused += 1
+            raise InjectedFault(f"injected fault: {point}"
+                                + (f" of unit {target.index}" if point in _OF_UNIT else ""))
+
+    target = engine.units[unit]
+    undo = _install(engine, point, target, trip)
+    try:
+        yield seen
+    finally:
+        undo()
+
+
+_OF_UNIT = ("forward", "recompute", "backward", "reduce")
+
+
+def _install(engine: Any, point: str, target: Any, trip: Callable[..., None]
+             ) -> Callable[[], None]:
+    """Put ``trip`` at ``point``; what undoes it."""
+    runtime = engine.runtime
+    if point in ("forward", "recompute"):
+        def pre_forward(*_: Any) -> None:
+            if runtime.recomputing() == (point == "recompute"):
+                trip()
+        return target.module.register_forward_pre_hook(pre_forward).remove
+    if point == "backward":
+        return _wrap(runtime, "pre_backward", lambda unit: unit is target and trip())
+    if point == "reduce":
+        return _wrap(target.grad_store, "launch_reduce", lambda *_: trip())
+    if point == "clip":
+        return _wrap(engine.optimizer, "clip_grad_norm_", lambda *_: trip())
+    if point in ("optimizer_step", "optimizer_step_after"):
+        inner = engine.optimizer.parts[0].inner
+        hook = (inner.register_step_pre_hook if point == "optimizer_step"
+                else inner.register_step_post_hook)
+        return hook(lambda *_: trip()).remove
+    inputs = engine.activations.inputs
+    name = "_pack" if point == "activation_save" else "_unpack"
+    return _wrap(inputs, name, lambda *_: trip())
+
+
+def _wrap(owner: Any, name: str, before: Callable[..., Any]) -> Callable[[], None]:
+    """``owner.name`` runs ``before`` with its arguments first (an instance attribute,
+    looked up at each call); what restores it."""
+    original = getattr(owner, name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        before(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    setattr(owner, name, wrapped)
+    return lambda: owner.__dict__.pop(name, None)
 
 
 def open_descriptors() -> int:

@@ -137,26 +137,51 @@ def step(parts: EngineParts) -> bool:
 
 
 def _update(parts: EngineParts) -> None:
-    """The optimizer step and what follows it. A disk-tier write-back that fails in here
-    leaves some units updated and others not: the engine refuses to train on until a
-    checkpoint is loaded, rather than go on from a state no run ever had."""
+    """The optimizer step and what follows it. An exception before any inner optimizer
+    updated anything (a step pre-hook, a read of the gradients) leaves the state as it was:
+    ``zero_grad()`` and go on. One after (an inner step of several, the disk tier's
+    write-back of a unit stepped, the propagation to the compute copies) leaves some of it
+    updated and the rest not: the engine refuses to train until a checkpoint is loaded,
+    rather than go on from a state no run ever had."""
+    inner = [part.inner for part in getattr(parts.optimizer, "parts", [])]
+    stepped: list[int] = []
+    hooks = [opt.register_step_post_hook(lambda *_: stepped.append(1)) for opt in inner]
     try:
-        parts.optimizer.step()
+        try:
+            parts.optimizer.step()
+        finally:
+            for hook in hooks:
+                hook.remove()
         if parts.tier is not None and parts.tier.failed is not None:
             raise parts.tier.failed
         parts.global_step += 1
+        stepped.append(1)  # from here on the masters are the new step's
         zero_grad(parts)
         refresh_compute_copies(parts)
-    except OSError as e:
-        if parts.tier is None or parts.tier.failed is None:
+    except BaseException as e:
+        if not stepped and (parts.tier is None or parts.tier.failed is None):
+            raise  # nothing was updated
+        error = _refuse_until_reload(parts, e)
+        if error is e:
             raise
-        parts._needs_reload = (f"a disk-tier write-back failed during the optimizer step "
-                               f"after global step {parts.global_step}")
+        raise error from e
+
+
+def _refuse_until_reload(parts: EngineParts, error: BaseException) -> BaseException:
+    """Mark the engine as needing a reload; the error to raise, saying so."""
+    parts._needs_reload = (f"{type(error).__name__} during the optimizer step after global "
+                           f"step {parts.global_step} left it cut short")
+    if parts.tier is not None:
         parts.tier.recover()
-        raise type(e)(e.errno, f"{e.strerror}. The optimizer step was cut short (some units "
-                               "updated, others not): the engine refuses to train until the "
-                               "last checkpoint is reloaded (engine.load_checkpoint(directory))",
-                      e.filename) from e
+    hint = ("The optimizer step was cut short (some units updated, others not): the engine "
+            "refuses to train until the last checkpoint is reloaded "
+            "(engine.load_checkpoint(directory))")
+    if isinstance(error, OSError) and error.errno is not None:
+        return type(error)(error.errno, f"{error.strerror}. {hint}", error.filename)
+    if hasattr(error, "add_note"):  # Python 3.11+: the type stays, for the caller's handlers
+        error.add_note(hint)
+        return error
+    return RuntimeError(f"{type(error).__name__}: {error}. {hint}")
 
 
 def _report_nonfinite(parts: EngineParts) -> None:

@@ -512,12 +512,13 @@ class DiskTier:
     def _counted(self, job: object, items: _Items) -> None:
         try:
             moved = job(items)  # type: ignore[operator]
-        except OSError as e:
-            if job is _store:
-                e = self._write_error(e, items)
-                if self.failed is None:
-                    self.failed = e
-            raise e from None
+        except OSError as cause:
+            if job is not _store:
+                raise
+            error = self._write_error(cause, items)
+            if self.failed is None:
+                self.failed = error
+            raise error from cause
         if job is _load:  # one reader thread, one writer thread: each counter has one adder
             self.read_bytes += moved or 0
         elif job is _store:
@@ -539,7 +540,8 @@ class DiskTier:
         kind = DiskFullError if code in (errno.ENOSPC, errno.EDQUOT) else OSError
         return kind(code, f"offload_dir={self.root!r}: the disk tier could not write back "
                           f"{what} on rank {self.rank} ({cause.strerror or cause}; {free}); "
-                          "its values are still in memory", self.root)
+                          "their values are still in memory: engine.zero_grad() keeps them "
+                          "there and writes them again on their next release", self.root)
 
     def recover(self) -> OSError | None:
         """After a failed write-back: wait for everything submitted (ignoring its errors),
