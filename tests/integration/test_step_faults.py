@@ -15,6 +15,7 @@ import pytest
 from tests.support.faults import (
     assert_activation_fault_recovered,
     assert_peer_names_failed_rank,
+    assert_point_fault_handled,
     assert_tier_fault_handled,
 )
 from tests.support.harness import check, run_world
@@ -33,8 +34,12 @@ def test_the_whole_grid(size: int) -> None:
             assert_tier_fault_handled(check(per_rank)[0])
         elif name == "one_rank_disk_full":
             assert_peer_names_failed_rank(*check(per_rank))
-    expected = 8 if size == 1 else 3
-    assert len(results) == expected, sorted(results)
+        else:
+            point = name.removeprefix("point_").rsplit("_s", 1)[0]
+            for r in check(per_rank):
+                assert_point_fault_handled(r, point)
+    points = [n for n in results if n.startswith("point_")]
+    assert len(points) == 9 * 4 + 4, sorted(results)  # every point at every stage, offloads
 
 
 @pytest.fixture

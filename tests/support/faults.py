@@ -75,10 +75,12 @@ rest of the step not: the engine must refuse to train until a checkpoint is load
 
 
 @contextlib.contextmanager
-def inject(engine: Any, point: str, unit: int = -1, fire: bool = True) -> Iterator[Injected]:
-    """Raise ``InjectedFault`` the first time the step reaches ``point`` (of ``engine.units
-    [unit]`` where the point belongs to a unit) inside the block; ``fire=False`` (a rank the
-    fault spares) only counts. Everything patched is put back when the block ends."""
+def inject(engine: Any, point: str, module: str = "blocks.1.0", unit: int = 0,
+           fire: bool = True) -> Iterator[Injected]:
+    """Raise ``InjectedFault`` the first time the step reaches ``point`` inside the block:
+    the forward or recomputation of ``module`` (by name), the backward (a gradient arriving)
+    or the reduction of ``engine.units[unit]``; ``fire=False`` (a rank the fault spares) only
+    counts. Everything patched is put back when the block ends."""
     if point not in POINTS:
         raise ValueError(f"inject: {point!r} is not one of {POINTS}")
     seen = Injected()
@@ -87,11 +89,12 @@ def inject(engine: Any, point: str, unit: int = -1, fire: bool = True) -> Iterat
         seen.calls += 1
         if fire and not seen.refused:
             seen.refused += 1
-            raise InjectedFault(f"injected fault: {point}"
-                                + (f" of unit {target.index}" if point in _OF_UNIT else ""))
+            where = {"forward": module, "recompute": module}.get(point, f"unit {unit}")
+            raise InjectedFault(f"injected fault: {point} of {where}" if point in _OF_UNIT
+                                else f"injected fault: {point}")
 
     target = engine.units[unit]
-    undo = _install(engine, point, target, trip)
+    undo = _install(engine, point, target, dict(engine.module.named_modules())[module], trip)
     try:
         yield seen
     finally:
@@ -101,17 +104,17 @@ def inject(engine: Any, point: str, unit: int = -1, fire: bool = True) -> Iterat
 _OF_UNIT = ("forward", "recompute", "backward", "reduce")
 
 
-def _install(engine: Any, point: str, target: Any, trip: Callable[..., None]
-             ) -> Callable[[], None]:
+def _install(engine: Any, point: str, target: Any, module: Any,
+             trip: Callable[..., None]) -> Callable[[], None]:
     """Put ``trip`` at ``point``; what undoes it."""
     runtime = engine.runtime
     if point in ("forward", "recompute"):
         def pre_forward(*_: Any) -> None:
             if runtime.recomputing() == (point == "recompute"):
                 trip()
-        return target.module.register_forward_pre_hook(pre_forward).remove
+        return module.register_forward_pre_hook(pre_forward).remove
     if point == "backward":
-        return _wrap(runtime, "pre_backward", lambda unit: unit is target and trip())
+        return _wrap(runtime, "on_grad", lambda unit, *_: unit is target and trip())
     if point == "reduce":
         return _wrap(target.grad_store, "launch_reduce", lambda *_: trip())
     if point == "clip":
@@ -200,3 +203,19 @@ def assert_peer_names_failed_rank(failed: dict[str, Any], peer: dict[str, Any]) 
     assert peer["raised"] in ("CollectiveTimeout", "CollectiveError"), peer
     assert "rank 0 failed: DiskFullError in backward" in peer["message"], peer["message"]
     assert "offload_dir=" in peer["message"]
+
+
+def assert_point_fault_handled(r: dict[str, Any], point: str) -> None:
+    """``inject(point)``: the injected error; the same files and descriptors after as before;
+    refused until the reload exactly where the optimizer had begun updating; the next steps
+    the reference's."""
+    assert r["raised"] is not None and r["raised"].startswith(f"injected fault: {point}"), r
+    assert r["calls"] == 1
+    if point == "optimizer_step_after":
+        assert r["refused"] is not None and "reload the last checkpoint" in r["refused"], r
+    else:
+        assert r["refused"] is None, r["refused"]
+    assert r["census_after"] == r["census_before"], (r["census_before"], r["census_after"])
+    assert r["losses"] == r["ref_losses"]
+    assert r["same"] == {"weights": True, "optimizer": True}
+    assert r["left"] == []

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import zero_strategy as zs
-from tests.support.faults import census, disk_full
+from tests.support.faults import POINTS, InjectedFault, census, disk_full, inject
 from tests.support.harness import register
 from tests.support.models import batch, loss_of, make_model, make_optimizer, zero_config
 from zero_strategy.offload.disk import DiskFullError
@@ -151,6 +151,57 @@ def _failed_step_tier(engine: zs.ZeroEngine, data: dict[str, torch.Tensor],
     return out
 
 
+OFFLOAD = {"none": {}, "cpu": {"offload_optimizer": "cpu"},
+           "disk": {"offload_optimizer": "disk"}}
+
+
+def point_fault(stage: int, point: str, offload: str = "none") -> dict[str, Any]:
+    """``inject(point)`` in step 1 on every rank; the engine's error is the injected one; the
+    files and descriptors are as before; then the next steps equal a reference that never ran
+    step 1, directly or, where the engine refuses (a step cut short), after loading the
+    checkpoint saved before it."""
+    rank = dist.get_rank()
+    folder, checkpoints = tempfile.mkdtemp(prefix="zs-pointfault-"), _shared_folder()
+    tiers = OFFLOAD[offload] if stage else {}
+    engine = _engine(stage, folder, **tiers)
+    ref = _engine(stage, tempfile.mkdtemp(prefix="zs-ref-"), **tiers)
+    gen = torch.Generator().manual_seed(21 + rank)
+    warm, *data = [batch(KIND, gen) for _ in range(4)]
+    _step(engine, warm), _step(ref, warm)
+    engine.save_checkpoint(checkpoints, tag="before")
+    engine.settle_tier()
+    before = census(folder)
+    out: dict[str, Any] = {"raised": None, "refused": None}
+    try:
+        with inject(engine, point) as seen:
+            _step(engine, data[0])
+    except InjectedFault as e:
+        out["raised"] = str(e)
+    out["calls"] = seen.calls
+    engine.zero_grad()
+    engine.settle_tier()
+    out["census_before"], out["census_after"] = before, census(folder)
+    try:
+        losses = [_step(engine, data[1])]
+    except RuntimeError as e:
+        out["refused"] = str(e)
+        engine.load_checkpoint(checkpoints, tag="before")
+        losses = [_step(engine, data[1])]
+    losses.append(_step(engine, data[2]))
+    out.update(losses=losses, ref_losses=[_step(ref, d) for d in data[1:]],
+               same=_same_state(engine, ref))
+    engine.close(), ref.close()
+    out["left"] = os.listdir(folder)
+    return out
+
+
+def _shared_folder() -> str:
+    """One folder for every rank (rank 0's), for a checkpoint."""
+    made = [tempfile.mkdtemp(prefix="zs-ckpt-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(made, src=0)
+    return str(made[0])
+
+
 def one_rank_disk_full() -> dict[str, Any]:
     """Only rank 0's disk fills: rank 0 raises the DiskFullError, rank 1, waiting for its
     reductions, a timeout that names rank 0 and its error, within the bound; never a hang."""
@@ -247,5 +298,14 @@ if SIZE == 1:
                          stage=_stage, share=_share)
 elif not NONE:
     register("one_rank_disk_full", one_rank_disk_full)
+for _stage in range(4):
+    for _point in POINTS:
+        if _point == "optimizer_step_after" or _wanted(_stage == 3 and SIZE == 1):
+            register(f"point_{_point}_s{_stage}", point_fault, stage=_stage, point=_point)
+for _offload in ("cpu", "disk"):
+    for _point in ("backward", "optimizer_step_after"):
+        if _wanted(SIZE == 1):
+            register(f"point_{_point}_s3_{_offload}", point_fault, stage=3, point=_point,
+                     offload=_offload)
 if os.environ.get("ZS_TMPFS"):
     register("real_tmpfs", real_tmpfs, folder=os.environ["ZS_TMPFS"])

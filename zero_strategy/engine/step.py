@@ -145,7 +145,9 @@ def _update(parts: EngineParts) -> None:
     rather than go on from a state no run ever had."""
     inner = [part.inner for part in getattr(parts.optimizer, "parts", [])]
     stepped: list[int] = []
-    hooks = [opt.register_step_post_hook(lambda *_: stepped.append(1)) for opt in inner]
+    # The last pre-hook: once it ran, every other one passed and the update began (a post
+    # hook could run after another that raised, past an update already made).
+    hooks = [opt.register_step_pre_hook(lambda *_: stepped.append(1)) for opt in inner]
     try:
         try:
             parts.optimizer.step()
