@@ -34,6 +34,11 @@ def test_the_whole_grid(size: int) -> None:
             assert_tier_fault_handled(check(per_rank)[0])
         elif name == "one_rank_disk_full":
             assert_peer_names_failed_rank(*check(per_rank))
+        elif name.startswith("one_rank_"):
+            failed, peer = check(per_rank)
+            assert failed["raised"] == "InjectedFault", failed
+            assert peer["raised"] in ("CollectiveTimeout", "CollectiveError"), peer
+            assert "rank 0 failed: InjectedFault in " in peer["message"], peer["message"]
         else:
             point = name.removeprefix("point_").rsplit("_s", 1)[0]
             for r in check(per_rank):

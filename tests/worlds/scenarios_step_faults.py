@@ -272,12 +272,28 @@ def _used(folder: str) -> int:
     return (stat.f_blocks - stat.f_bfree) * stat.f_frsize
 
 
+def one_rank_point(stage: int, point: str) -> dict[str, Any]:
+    """``inject(point)`` on rank 0 only: rank 0 raises the injected error, rank 1, waiting
+    in a collective rank 0 will not issue, a timeout naming rank 0 and its error."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+    engine = _engine(stage, tempfile.mkdtemp(prefix="zs-stepfault-"), group=group, timeout=2.0)
+    gen = torch.Generator().manual_seed(13 + dist.get_rank())
+    _step(engine, batch(KIND, gen))
+    out: dict[str, Any] = {"raised": None}
+    try:
+        with inject(engine, point, fire=dist.get_rank() == 0):
+            _step(engine, batch(KIND, gen))
+        # the step's gathers of the new weights may be waited for by the next forward only
+        _step(engine, batch(KIND, gen))
+    except Exception as e:  # noqa: BLE001 - which error, and its words, is the result
+        out.update(raised=type(e).__name__, message=str(e))
+    return out
+
+
 QUICK = os.environ.get("ZS_STEP_FAULTS", "quick") == "quick"
 """tests/quick runs the cases below marked quick; tests/integration (ZS_STEP_FAULTS=all)
 all of them."""
 SIZE = int(os.environ.get("WORLD_SIZE", "1"))
-
-
 NONE = os.environ.get("ZS_STEP_FAULTS") == "none"
 
 
@@ -296,11 +312,9 @@ if SIZE == 1:
             if _wanted(_stage == 2 or _share == 0.9):
                 register(f"tier_disk_full_s{_stage}_{int(_share * 100)}", tier_disk_full,
                          stage=_stage, share=_share)
-elif not NONE:
-    register("one_rank_disk_full", one_rank_disk_full)
 for _stage in range(4):
     for _point in POINTS:
-        if _point == "optimizer_step_after" or _wanted(_stage == 3 and SIZE == 1):
+        if _wanted(_point == "optimizer_step_after" or (_stage == 3 and SIZE == 1)):
             register(f"point_{_point}_s{_stage}", point_fault, stage=_stage, point=_point)
 for _offload in ("cpu", "disk"):
     for _point in ("backward", "optimizer_step_after"):
@@ -309,3 +323,9 @@ for _offload in ("cpu", "disk"):
                      offload=_offload)
 if os.environ.get("ZS_TMPFS"):
     register("real_tmpfs", real_tmpfs, folder=os.environ["ZS_TMPFS"])
+if SIZE > 1 and not NONE:  # last: each leaves a group of its own with collectives unmatched
+    register("one_rank_disk_full", one_rank_disk_full)
+    if not QUICK:
+        register("one_rank_forward_s3", one_rank_point, stage=3, point="forward")
+        register("one_rank_optimizer_step_after_s2", one_rank_point, stage=2,
+                 point="optimizer_step_after")

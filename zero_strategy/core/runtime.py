@@ -450,7 +450,6 @@ class Runtime:
         pass leaves nothing behind."""
         if self.interrupted:
             self._match_peers_launches()
-            self.world.clear_failure()
         self.interrupted = False
         for unit in self._launched:
             unit.grad_store.wait()

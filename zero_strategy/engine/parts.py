@@ -76,7 +76,10 @@ class EngineParts:
     _closed: bool
     _needs_reload: str | None
     """Why the weights and optimizer states are no longer those of one step (an optimizer
-    step cut short by a disk-tier write-back): training refuses until a checkpoint loads."""
+    step cut short): training refuses until a checkpoint loads (set by step.py, cleared by
+    ``ZeroEngine.load_checkpoint``)."""
+    _reported: bool
+    """This rank's error is in the store for its peers' timeouts (cleared by zero_grad)."""
     _buffers: list[torch.Tensor]
     _optimizer_signature: tuple[int, ...]
 

@@ -27,10 +27,11 @@ def forward(parts: EngineParts, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     try:
         with record_function("zero::forward"), parts.activations.forward_pass():
             output = parts.module(*args, **kwargs)
-    except BaseException:
+    except BaseException as e:
         # The pass is abandoned (zero_grad() resets the runtime): what it saved for a
         # backward that will not come goes now, not when the caller drops the traceback.
         parts.activations.release_failed()
+        _report(parts, "forward", e)
         raise
     parts.runtime.end_forward()
     return output
@@ -47,10 +48,7 @@ def backward(parts: EngineParts, loss: torch.Tensor, **kwargs: Any) -> None:
         except BaseException as e:
             parts.runtime.interrupted = True  # zero_grad() matches the peers' reductions
             parts.activations.release_failed()  # every file the failed pass still holds
-            # Peers still in this backward wait for reductions this rank will not issue
-            # now: their timeout names this rank and its error.
-            parts.comm.report_failure(
-                f"{type(e).__name__} in backward at step {parts.global_step}: {e}")
+            _report(parts, "backward", e)
             raise
 
 
@@ -161,12 +159,21 @@ def _update(parts: EngineParts) -> None:
         zero_grad(parts)
         refresh_compute_copies(parts)
     except BaseException as e:
+        _report(parts, "the optimizer step", e)
         if not stepped and (parts.tier is None or parts.tier.failed is None):
             raise  # nothing was updated
         error = _refuse_until_reload(parts, e)
         if error is e:
             raise
         raise error from e
+
+
+def _report(parts: EngineParts, phase: str, error: BaseException) -> None:
+    """Peers still in this pass wait for collectives this rank will not issue now: their
+    timeout names this rank and its error (``Communicator.report_failure``)."""
+    parts.comm.report_failure(
+        f"{type(error).__name__} in {phase} at step {parts.global_step}: {error}")
+    parts._reported = True
 
 
 def _refuse_until_reload(parts: EngineParts, error: BaseException) -> BaseException:
@@ -207,6 +214,9 @@ def refresh_compute_copies(parts: EngineParts) -> None:
 
 
 def zero_grad(parts: EngineParts) -> None:
+    if parts._reported:  # the failed pass is over here: its report goes
+        parts.comm.clear_failure()
+        parts._reported = False
     if parts.tier is not None and parts.tier.failed is not None:
         parts.tier.recover()  # a failed write-back's memory is kept and written again later
     parts.runtime.reset()
