@@ -257,6 +257,34 @@ class Communicator:
                               f"{_INSTANCES[tuple(self._peers)]}")
         self._agreements = 0
 
+    def report_failure(self, message: str) -> None:
+        """Leave this rank's error where its peers' timeouts look (the rendezvous store): a
+        rank whose step raised stops issuing collectives, and a peer waiting for one of them
+        should say which rank failed and why, not only that one stopped responding."""
+        if self.world_size == 1:
+            return
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"{self._store_prefix}/failed/{self.rank}", message[:500])
+
+    def clear_failure(self) -> None:
+        """The failed pass is over on this rank (``zero_grad()``): its report goes."""
+        if self.world_size > 1:
+            dist.distributed_c10d._get_default_store().delete_key(
+                f"{self._store_prefix}/failed/{self.rank}")
+
+    def _reported_failures(self) -> str:
+        if self.world_size == 1:
+            return ""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            keys = {r: f"{self._store_prefix}/failed/{r}" for r in range(self.world_size)
+                    if r != self.rank}
+            found = [f"rank {r} failed: {store.get(k).decode(errors='replace')}"
+                     for r, k in keys.items() if store.check([k])]
+        except RuntimeError:  # the store itself is gone: nothing more to say
+            return ""
+        return ("; " + "; ".join(found)) if found else ""
+
     def agree_max(self, value: int) -> int:
         """The largest ``value`` over this group's ranks, agreed through the rendezvous store
         instead of the group: usable while the group holds operations some rank never
@@ -386,7 +414,8 @@ class Communicator:
         return kind(
             f"collective {op} {what} {where} on rank {self.rank} of {self.world_size} "
             f"({self.backend}): another rank stopped responding (stalled, killed, or running "
-            f"different code) [{type(cause).__name__}: {first_line}]")
+            f"different code) [{type(cause).__name__}: {first_line}]"
+            f"{self._reported_failures()}")
 
     def _finish(self, work: Any, op: str, async_op: bool) -> Handle:
         if async_op:

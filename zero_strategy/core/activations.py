@@ -29,6 +29,7 @@ training forward, and ``measuring()``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import multiprocessing.util
 import os
@@ -36,13 +37,14 @@ import tempfile
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ZeroConfig
+from ..offload.disk import DiskFullError
 from ..offload.transfers import Copy, Transfers
 from .layer_kinds import LayerKind, kind_of, layer_kinds
 
@@ -126,6 +128,10 @@ class SavedInputs:
         self._reader: ThreadPoolExecutor | None = None
         self._sequence: list[weakref.ref[_Saved]] = []
         self._by_tensor: dict[int, tuple[weakref.ref[torch.Tensor], _Saved]] = {}
+        self._live: weakref.WeakSet[_Saved] = weakref.WeakSet()
+        """Every saved input autograd still holds, of any forward: what ``release`` frees."""
+        self.label = "activation input"
+        """What the checkpoint running now saves (its module's name), for error messages."""
         self.offloaded_bytes = 0
         """Bytes moved off the device by the last forward."""
 
@@ -150,6 +156,7 @@ class SavedInputs:
         if saved is None:
             saved = _Saved(self, tensor, self._sequence)
             self._by_tensor[id(tensor)] = (weakref.ref(tensor), saved)
+            self._live.add(saved)
             self.offloaded_bytes += tensor.numel() * tensor.element_size()
         return saved
 
@@ -179,12 +186,13 @@ class SavedInputs:
         out = torch.empty_like(host, device=self.device)
         return out, self.transfers.copy(out, host)
 
-    def write(self, fn: Callable[[], int]) -> Future[int]:
+    def write(self, fn: Callable[[], int | _WriteFailed]) -> Future[int | _WriteFailed]:
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="zs-activation-write")
         return self._writer.submit(fn)
 
-    def read(self, fn: Callable[[], torch.Tensor]) -> Future[torch.Tensor]:
+    def read(self, fn: Callable[[], torch.Tensor | _WriteFailed]
+             ) -> Future[torch.Tensor | _WriteFailed]:
         if self._reader is None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="zs-activation-read")
         return self._reader.submit(fn)
@@ -204,7 +212,43 @@ class SavedInputs:
         os.unlink(path)
         return fd
 
+    def release(self) -> int:
+        """Close the file (or drop the host copy) of every saved input autograd still holds:
+        a pass that failed is abandoned, and whatever still references its graph (an
+        exception's traceback, a loss the caller kept) must not keep the disk full. A later
+        unpack of one of them raises. Returns how many were released."""
+        live = list(self._live)
+        for saved in live:
+            saved.release()
+        self._live = weakref.WeakSet()
+        self._sequence, self._by_tensor = [], {}
+        return len(live)
+
+    def write_error(self, failure: _WriteFailed, saved: _Saved) -> OSError:
+        """The error of a saved input's failed write: the folder, what, the bytes."""
+        folder = os.path.dirname(self._files.name) if self._files is not None else (
+            self._directory or tempfile.gettempdir())
+        try:
+            stat = os.statvfs(folder)
+            free = f"{stat.f_bavail * stat.f_frsize} bytes free there"
+        except OSError:
+            free = "its free space unknown"
+        full = failure.errno in (errno.ENOSPC, errno.EDQUOT)
+        kind = DiskFullError if full else OSError
+        return kind(
+            failure.errno,
+            f"offload_activations='disk': offload_dir={folder!r} has no room for the "
+            f"{saved.what} ({saved.nbytes} bytes needed, {failure.done} written; {free}) on "
+            f"rank {self._rank}: {failure.strerror}. The step's saved activations are released "
+            "and nothing was updated: call engine.zero_grad() and go on (a smaller batch, or "
+            "more space in offload_dir)" if full else
+            f"offload_activations='disk': writing the {saved.what} ({saved.nbytes} bytes) "
+            f"under offload_dir={folder!r} on rank {self._rank} failed after {failure.done} "
+            f"bytes: {failure.strerror}. The step's saved activations are released and "
+            "nothing was updated: call engine.zero_grad() and go on", folder)
+
     def close(self) -> None:
+        self.release()
         for pool in (self._writer, self._reader):
             if pool is not None:
                 pool.shutdown(wait=True)
@@ -231,35 +275,54 @@ class _Saved:
         self._source, self._version = weakref.ref(tensor), tensor._version
         self.shape = tuple(tensor.shape)
         self.dtype = tensor.dtype
-        self._fd: int | None = None
-        self._written: Future[int] | None = None
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.what = store.label
+        self._released = False
+        self._file: _SavedFile | None = None
         self._host: torch.Tensor | None = None
-        self._fetched: Future[torch.Tensor] | tuple[torch.Tensor, Copy | None] | None = None
+        self._fetched: (Future[torch.Tensor | _WriteFailed] | tuple[torch.Tensor, Copy | None]
+                        | None) = None
         # Given back contiguous: the values are what the recomputation needs (a kernel
         # choice that depends on strides may differ in the last bit from the forward's).
         host, copy = store.to_host(tensor.contiguous())
         if store.tier == "disk":
-            self._fd = store.new_file()
-            self._written = store.write(functools.partial(_write, self._fd, host, copy))
-            weakref.finalize(self, _close_file, self._written, self._fd)
+            fd = store.new_file()
+            self._file = _SavedFile(fd, store.write(functools.partial(_write, fd, host, copy)))
+            # Through the file object alone: an argument that reached this object (an
+            # exception whose traceback holds its frames did) would keep it alive for ever.
+            weakref.finalize(self, self._file.close)
         else:
             # the copy up runs on the same side stream after the copy down: no wait here
             self._host = host
 
     def fetch(self) -> None:
         """Start bringing the input back (a read from disk, a copy to the device)."""
-        if self._fetched is not None:
+        if self._fetched is not None or self._released:
             return
-        if self._fd is not None:
-            fd, written = self._fd, self._written
+        if self._file is not None:
+            fd, written = self._file.fd, self._file.written
+            assert fd is not None
             pinned = self.store.device.type == "cuda"  # so the copy up is asynchronous
-            self._fetched = self.store.read(
+            self._fetched = self._file.reading = self.store.read(
                 functools.partial(_read, fd, written, self.shape, self.dtype, pinned))
         else:
             assert self._host is not None
             self._fetched = self.store.to_device(self._host)
 
+    def release(self) -> None:
+        """Close the file (after the write or read in flight on it) or drop the host copy;
+        what needs the value afterwards gets an error."""
+        self._released = True
+        self._fetched, self._host = None, None
+        if self._file is not None:
+            self._file.close()
+
     def value(self) -> torch.Tensor:
+        if self._released:
+            raise RuntimeError(
+                f"offload_activations: the {self.what} was released after an earlier error in "
+                "its step (the step was abandoned): call engine.zero_grad() and run a new "
+                "forward")
         source = self._source()
         if source is not None and source._version != self._version:
             raise RuntimeError(
@@ -271,7 +334,11 @@ class _Saved:
         self.fetch()
         fetched, self._fetched = self._fetched, None  # a second unpack fetches again
         if isinstance(fetched, Future):
-            fetched = self.store.to_device(fetched.result())
+            read = fetched.result()
+            if isinstance(read, _WriteFailed):
+                # Built here, on this thread: nothing the threads keep points at this step.
+                raise self.store.write_error(read, self) from None
+            fetched = self.store.to_device(read)
         assert fetched is not None
         tensor, copy = fetched
         if copy is not None:
@@ -279,20 +346,57 @@ class _Saved:
         return tensor
 
 
-def _write(fd: int, host: torch.Tensor, copy: Copy | None) -> int:
+class _WriteFailed(NamedTuple):
+    """A saved input's write that failed, as a value: an exception kept in a future would
+    carry its traceback (and through it the frames of whoever re-raised it, the step's
+    graph among them) for as long as the future lives."""
+
+    errno: int
+    strerror: str
+    done: int
+
+
+class _SavedFile:
+    """One saved input's unlinked file, closed once, after the write and the read on it:
+    by autograd dropping the input, or by ``SavedInputs.release`` (a failed pass)."""
+
+    def __init__(self, fd: int, written: Future[int | _WriteFailed]) -> None:
+        self.fd: int | None = fd
+        self.written = written
+        self.reading: Future[Any] | None = None
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is None:
+            return
+        for pending in (self.written, self.reading):  # neither may meet a reused number
+            if pending is not None:
+                with contextlib.suppress(BaseException):
+                    pending.result()
+        os.close(fd)
+
+
+def _write(fd: int, host: torch.Tensor, copy: Copy | None) -> int | _WriteFailed:
     if copy is not None:
         copy.wait_host()
     view = memoryview(host.reshape(-1).view(torch.uint8).numpy())
     written = 0
-    while written < len(view):
-        written += os.pwrite(fd, view[written:], written)
+    try:
+        while written < len(view):
+            written += os.pwrite(fd, view[written:], written)
+    except OSError as e:
+        # The blocks written so far go back at once: the file is about to be useless.
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+        return _WriteFailed(e.errno or errno.EIO, e.strerror or str(e), written)
     return written
 
 
-def _read(fd: int, written: Future[int] | None, shape: tuple[int, ...],
-          dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-    assert written is not None
+def _read(fd: int, written: Future[int | _WriteFailed], shape: tuple[int, ...],
+          dtype: torch.dtype, pinned: bool) -> torch.Tensor | _WriteFailed:
     nbytes = written.result()
+    if isinstance(nbytes, _WriteFailed):
+        return nbytes
     out = torch.empty(shape, dtype=dtype, pin_memory=pinned)
     view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
     done = 0
@@ -303,13 +407,6 @@ def _read(fd: int, written: Future[int] | None, shape: tuple[int, ...],
                           f"({done} of {nbytes} bytes)")
         done += got
     return out
-
-
-def _close_file(written: Future[int] | None, fd: int) -> None:
-    if written is not None:
-        with contextlib.suppress(BaseException):
-            written.result()
-    os.close(fd)
 
 
 class SavedBytes:
@@ -363,6 +460,7 @@ class Activations:
         choice = config.activation_checkpointing
         self.model = model
         self.modules = chosen_modules(model, choice) if choice else []
+        self._names = {id(m): name for name, m in model.named_modules()}
         self._tier, self._device = config.offload_activations, device
         self._directory, self._rank = config.offload_dir, rank
         self.inputs: SavedInputs | None = None
@@ -391,15 +489,18 @@ class Activations:
     def _install(self, module: nn.Module) -> LayerKind | None:
         """Checkpoint ``module``; the kind whose own switch did it, if one did."""
         kind = kind_of(module)
+        # Each module's checkpoint carries its name, for the errors of its saved input.
+        label = f"activation input of module {self._names.get(id(module), '')!r}"
         if kind is not None:
-            self._restore.append(kind.switch_on(module, self.checkpoint))
+            self._restore.append(kind.switch_on(module, functools.partial(self._labelled, label)))
             return kind
         original = module.forward  # the class's, bound
-        module.forward = functools.partial(self._checkpointed, original)
+        module.forward = functools.partial(self._checkpointed, label, original)
         self._restore.append(functools.partial(_undo_forward, module))
         return None
 
-    def _checkpointed(self, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _checkpointed(self, label: str, forward: Callable[..., Any], *args: Any,
+                      **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         # Tensors passed by keyword travel as positional inputs, so the checkpoint saves
@@ -410,7 +511,13 @@ class Activations:
         def run(*inputs: Any) -> Any:
             return forward(*inputs[:count], **dict(zip(names, inputs[count:])))
 
-        return self.checkpoint(run, *args, *kwargs.values())
+        return self._labelled(label, run, *args, *kwargs.values())
+
+    def _labelled(self, label: str, function: Callable[..., Any], *args: Any,
+                  **kwargs: Any) -> Any:
+        if self.inputs is not None:
+            self.inputs.label = label
+        return self.checkpoint(function, *args, **kwargs)
 
     def checkpoint(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``torch.utils.checkpoint`` (non-reentrant), its saved inputs on this tier."""
@@ -438,6 +545,11 @@ class Activations:
             self.inputs.end_forward()
         if measure:
             self.saved_bytes = self.counter.bytes
+
+    def release_failed(self) -> int:
+        """A forward or backward raised: free every saved input still held (files closed,
+        host copies dropped), so the next step finds the disk and memory it had."""
+        return self.inputs.release() if self.inputs is not None else 0
 
     @contextlib.contextmanager
     def measuring(self) -> Iterator[None]:

@@ -200,9 +200,15 @@ class ZeroEngine(EngineParts):
         client state saved with it. Other systems' files are pickles, read with torch's
         weights_only unpickler unless ``trust_pickles=True`` (see ``checkpoint/pickles.py``)."""
         self.check_open("load_checkpoint")
+        if self.tier is not None and self.tier.failed is not None:
+            self.tier.recover()  # the files a failed write-back left are about to be replaced
         with record_function("zero::load_checkpoint"):
-            return checkpoint_read.load(self, directory, tag=tag, load_optimizer=load_optimizer,
-                                        trust_pickles=trust_pickles)
+            client = checkpoint_read.load(self, directory, tag=tag,
+                                          load_optimizer=load_optimizer,
+                                          trust_pickles=trust_pickles)
+        if load_optimizer:  # weights and optimizer states are one step's again
+            self._needs_reload = None
+        return client
 
     def load_pretrained(self, path: str | os.PathLike, *, strict: bool = True,
                         key_map: checkpoint_pretrained.KeyMap | None = None) -> Any:

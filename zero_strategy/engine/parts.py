@@ -74,6 +74,12 @@ class EngineParts:
     _unscaled: bool
     _norm: torch.Tensor | None
     _closed: bool
+    _needs_reload: str | None
+    """Why the weights and optimizer states are no longer those of one step (an optimizer
+    step cut short): training refuses until a checkpoint loads (set by step.py, cleared by
+    ``ZeroEngine.load_checkpoint``)."""
+    _reported: bool
+    """This rank's error is in the store for its peers' timeouts (cleared by zero_grad)."""
     _buffers: list[torch.Tensor]
     _optimizer_signature: tuple[int, ...]
 
@@ -81,6 +87,14 @@ class EngineParts:
         if self._closed:
             raise RuntimeError(f"engine.{what}(): the engine was closed; the module is a plain "
                                "nn.Module again (build a new ZeroEngine to keep training)")
+
+    def check_trainable(self, what: str) -> None:
+        self.check_open(what)
+        if self._needs_reload is not None:
+            raise RuntimeError(
+                f"engine.{what}(): {self._needs_reload}; the weights and optimizer states are "
+                "no longer those of one step, so the engine will not train on them: reload "
+                "the last checkpoint (engine.load_checkpoint(directory)) first")
 
     def unit_comms(self) -> UnitComms:
         return UnitComms(shards=self.shards, world=self.comm, replicas=self.replicas)

@@ -76,6 +76,8 @@ def build(parts: EngineParts, model: nn.Module,
     parts._unscaled = False
     parts._norm = None
     parts._closed = False
+    parts._needs_reload = None
+    parts._reported = False
     parts.global_step = 0
     parts.skipped_steps = 0
     parts._buffers = [b for b in model.buffers() if b is not None]

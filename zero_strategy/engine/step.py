@@ -17,28 +17,38 @@ from .setup import managed_parameters, signature
 
 
 def forward(parts: EngineParts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    parts.check_open("forward")
+    parts.check_trainable("forward")
     _follow_trainability(parts)
     parts.runtime.begin_forward()
     if parts.plan.broadcast_buffers and parts._buffers:
         with torch.no_grad(), record_function("zero::broadcast_buffers"):
             parts.comm.broadcast_coalesced(parts._buffers)
     args, kwargs = parts.plan.policy.cast_inputs(args, kwargs)
-    with record_function("zero::forward"), parts.activations.forward_pass():
-        output = parts.module(*args, **kwargs)
+    try:
+        with record_function("zero::forward"), parts.activations.forward_pass():
+            output = parts.module(*args, **kwargs)
+    except BaseException as e:
+        # The pass is abandoned (zero_grad() resets the runtime): what it saved for a
+        # backward that will not come goes now, not when the caller drops the traceback.
+        parts.activations.release_failed()
+        _report(parts, "forward", e)
+        raise
     parts.runtime.end_forward()
     return output
 
 
 def backward(parts: EngineParts, loss: torch.Tensor, **kwargs: Any) -> None:
+    parts.check_trainable("backward")
     parts.hooks.ensure_grad_hooks(parts.units, parts.runtime)  # unfrozen since the forward
     if parts.scaler is not None:
         loss = loss.float() * parts.scaler.scale
     with record_function("zero::backward"):
         try:
             loss.backward(**kwargs)
-        except BaseException:
+        except BaseException as e:
             parts.runtime.interrupted = True  # zero_grad() matches the peers' reductions
+            parts.activations.release_failed()  # every file the failed pass still holds
+            _report(parts, "backward", e)
             raise
 
 
@@ -100,8 +110,10 @@ def _nonfinite(parts: EngineParts) -> bool:
 
 def step(parts: EngineParts) -> bool:
     """The optimizer step, or a skip on every rank (see ``ZeroEngine.step``)."""
-    parts.check_open("step")
+    parts.check_trainable("step")
     _require_reduced_grads(parts, "step")
+    if parts.tier is not None and parts.tier.failed is not None:
+        raise parts.tier.failed  # a write-back of this pass: nothing updated yet (zero_grad)
     _refuse_stray_grads(parts)
     parts.runtime.settle()  # fp32 masters are views of compute copies a gather may write
     _unscale(parts)
@@ -113,16 +125,72 @@ def step(parts: EngineParts) -> bool:
         zero_grad(parts)
         _report_nonfinite(parts)
     else:
-        parts.optimizer.step()
-        parts.global_step += 1
-        zero_grad(parts)
-        refresh_compute_copies(parts)
+        _update(parts)
     # torch's LR schedulers warn unless the optimizer they wrap was stepped; the engine
     # steps its inner copy (or skips), so record the call on the user's object.
     user = [parts.user_optimizer, *optimizer_parts(parts.user_optimizer)]
     for opt in {id(o): o for o in user}.values():
         opt._opt_called = True  # type: ignore[attr-defined]
     return not nonfinite
+
+
+def _update(parts: EngineParts) -> None:
+    """The optimizer step and what follows it. An exception before any inner optimizer
+    updated anything (a step pre-hook, a read of the gradients) leaves the state as it was:
+    ``zero_grad()`` and go on. One after (an inner step of several, the disk tier's
+    write-back of a unit stepped, the propagation to the compute copies) leaves some of it
+    updated and the rest not: the engine refuses to train until a checkpoint is loaded,
+    rather than go on from a state no run ever had."""
+    inner = [part.inner for part in getattr(parts.optimizer, "parts", [])]
+    stepped: list[int] = []
+    # The last pre-hook: once it ran, every other one passed and the update began (a post
+    # hook could run after another that raised, past an update already made).
+    hooks = [opt.register_step_pre_hook(lambda *_: stepped.append(1)) for opt in inner]
+    try:
+        try:
+            parts.optimizer.step()
+        finally:
+            for hook in hooks:
+                hook.remove()
+        if parts.tier is not None and parts.tier.failed is not None:
+            raise parts.tier.failed
+        parts.global_step += 1
+        stepped.append(1)  # from here on the masters are the new step's
+        zero_grad(parts)
+        refresh_compute_copies(parts)
+    except BaseException as e:
+        _report(parts, "the optimizer step", e)
+        if not stepped and (parts.tier is None or parts.tier.failed is None):
+            raise  # nothing was updated
+        error = _refuse_until_reload(parts, e)
+        if error is e:
+            raise
+        raise error from e
+
+
+def _report(parts: EngineParts, phase: str, error: BaseException) -> None:
+    """Peers still in this pass wait for collectives this rank will not issue now: their
+    timeout names this rank and its error (``Communicator.report_failure``)."""
+    parts.comm.report_failure(
+        f"{type(error).__name__} in {phase} at step {parts.global_step}: {error}")
+    parts._reported = True
+
+
+def _refuse_until_reload(parts: EngineParts, error: BaseException) -> BaseException:
+    """Mark the engine as needing a reload; the error to raise, saying so."""
+    parts._needs_reload = (f"{type(error).__name__} during the optimizer step after global "
+                           f"step {parts.global_step} left it cut short")
+    if parts.tier is not None:
+        parts.tier.recover()
+    hint = ("The optimizer step was cut short (some units updated, others not): the engine "
+            "refuses to train until the last checkpoint is reloaded "
+            "(engine.load_checkpoint(directory))")
+    if isinstance(error, OSError) and error.errno is not None:
+        return type(error)(error.errno, f"{error.strerror}. {hint}", error.filename)
+    if hasattr(error, "add_note"):  # Python 3.11+: the type stays, for the caller's handlers
+        error.add_note(hint)
+        return error
+    return RuntimeError(f"{type(error).__name__}: {error}. {hint}")
 
 
 def _report_nonfinite(parts: EngineParts) -> None:
@@ -146,6 +214,11 @@ def refresh_compute_copies(parts: EngineParts) -> None:
 
 
 def zero_grad(parts: EngineParts) -> None:
+    if parts._reported:  # the failed pass is over here: its report goes
+        parts.comm.clear_failure()
+        parts._reported = False
+    if parts.tier is not None and parts.tier.failed is not None:
+        parts.tier.recover()  # a failed write-back's memory is kept and written again later
     parts.runtime.reset()
     for unit in parts.units:
         unit.zero_grad()

@@ -44,6 +44,7 @@ when the engine is built, naming the directory and both numbers, never a ``SIGBU
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import enum
 import errno
@@ -160,6 +161,12 @@ class _File:
     """Resident and changed since its file was last written (kept: the write is deferred)."""
     last: Future[None] | None = field(default=None, repr=False)
     """The latest background operation on this file: the next one waits for it."""
+    actual: _Backing = _Backing.MAPPED
+    """What the address shows after the last operation that completed (``backing`` is what
+    it will show once those submitted have run): what ``recover`` goes back to."""
+    unwritten: bool = False
+    """A write-back of this resident file failed or never ran (set by the writer): its
+    memory holds the values, its file does not."""
 
     @property
     def length(self) -> int:
@@ -169,6 +176,11 @@ class _File:
         if self.last is not None:
             self.last.result()
             self.last = None
+
+    @property
+    def name(self) -> str:
+        """The tensor's name in the tier (the file's name without its number)."""
+        return os.path.basename(self.path).split("-", 1)[-1].removesuffix(".bin")
 
 
 def _gib(nbytes: int) -> str:
@@ -241,6 +253,8 @@ class DiskTier:
         """Bytes of kept files a read-ahead found in memory: reads the keeping saved."""
         self._releases = 0
         self.closed = False
+        self.failed: OSError | None = None
+        """The first write-back that failed since the last ``recover`` (set by the writer)."""
 
     # ------------------------------------------------------------------ ownership
     def _lock(self) -> int:
@@ -345,7 +359,7 @@ class DiskTier:
         f.stale = False  # its values are about to be zeros: nothing to write of the old ones
         if self.direct:
             _mapped_at(f.address, f.length, _READ_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            f.backing = _Backing.ZEROED
+            f.backing = f.actual = _Backing.ZEROED
             os.posix_fadvise(f.fd, 0, f.length, os.POSIX_FADV_DONTNEED)
             return
         self.drain_writes()  # a write-back in flight would race the range's new contents
@@ -496,11 +510,58 @@ class DiskTier:
         return future
 
     def _counted(self, job: object, items: _Items) -> None:
-        moved = job(items)  # type: ignore[operator]
+        try:
+            moved = job(items)  # type: ignore[operator]
+        except OSError as cause:
+            if job is not _store:
+                raise
+            error = self._write_error(cause, items)
+            if self.failed is None:
+                self.failed = error
+            raise error from cause
         if job is _load:  # one reader thread, one writer thread: each counter has one adder
             self.read_bytes += moved or 0
         elif job is _store:
             self.written_bytes += moved or 0
+
+    def _write_error(self, cause: OSError, items: _Items) -> OSError:
+        """The write-back's error naming the folder, the tensor and the bytes (a full disk:
+        ``DiskFullError``, errno 28, as the tier's check at set-up)."""
+        failed = [f for f, _, _ in items if f.unwritten]
+        what = ", ".join(f"{f.name} ({f.length} bytes)" for f in failed[:3]) or "a tensor"
+        if len(failed) > 3:
+            what += f" and {len(failed) - 3} more"
+        try:
+            stat = os.statvfs(self.path)
+            free = f"{stat.f_bavail * stat.f_frsize} bytes free"
+        except OSError:
+            free = "free space unknown"
+        code = cause.errno or errno.EIO
+        kind = DiskFullError if code in (errno.ENOSPC, errno.EDQUOT) else OSError
+        return kind(code, f"offload_dir={self.root!r}: the disk tier could not write back "
+                          f"{what} on rank {self.rank} ({cause.strerror or cause}; {free}); "
+                          "their values are still in memory: engine.zero_grad() keeps them "
+                          "there and writes them again on their next release", self.root)
+
+    def recover(self) -> OSError | None:
+        """After a failed write-back: wait for everything submitted (ignoring its errors),
+        then make the bookkeeping say what the addresses hold: a file whose write never
+        happened stays resident, writable, and is written again on its next release. Returns
+        the failure it cleared (None: there was none)."""
+        pending, self._pending = self._pending, []
+        self._writes.clear()
+        for future in pending:
+            with contextlib.suppress(BaseException):
+                future.result()
+        for f in self._files.values():
+            f.last = None
+            f.backing = f.actual
+            if f.unwritten and f.actual is not _Backing.MAPPED:
+                _call(_libc.mprotect, f.address, f.length, _READ_WRITE)
+                f.stale = True  # the next release writes it
+            f.unwritten = False
+        failed, self.failed = self.failed, None
+        return failed
 
     def drain_writes(self) -> None:
         """Wait for the write-backs submitted so far (they run in order)."""
@@ -594,6 +655,7 @@ def _load(items: _Items) -> int:
                 _libc.munmap(ctypes.c_void_p(staging), f.length)
             _libc.mprotect(f.address, f.length, _READ_WRITE)
             raise
+        f.actual = _Backing.LOADED
         total += f.length
     return total
 
@@ -602,16 +664,26 @@ def _store(items: _Items) -> int:
     """Write each resident tensor back (or mark its file zeros) and map the file in its
     place, which frees the memory; the bytes written."""
     moved = 0
-    for f, previous, action in items:
-        if previous is not None:
-            previous.result()
-        _call(_libc.mprotect, f.address, f.length, mmap.PROT_READ)  # writers fault, not lost
-        if action == _ZERO and _libc.fallocate(f.fd, _FALLOC_FL_ZERO_RANGE, 0, f.length) != 0:
-            action = _WRITE  # the memory holds the zeros
-        if action == _WRITE:
-            _transfer(os.pwritev, f, f.address)
-            moved += f.length
+    for i, (f, previous, action) in enumerate(items):
+        try:
+            if previous is not None:
+                previous.result()
+            _call(_libc.mprotect, f.address, f.length, mmap.PROT_READ)  # writers fault
+            if action == _ZERO and _libc.fallocate(f.fd, _FALLOC_FL_ZERO_RANGE, 0,
+                                                   f.length) != 0:
+                action = _WRITE  # the memory holds the zeros
+            if action == _WRITE:
+                _transfer(os.pwritev, f, f.address)
+                moved += f.length
+        except BaseException:
+            # Nothing is lost yet: the memory still holds the values of this file and the
+            # ones after it (``recover`` makes them writable and writes them again later).
+            for g, _, rest in items[i:]:
+                g.unwritten = g.unwritten or rest is not None
+            f.unwritten = True
+            raise
         _mapped_at(f.address, f.length, _READ_WRITE, mmap.MAP_SHARED, f.fd)
+        f.actual = _Backing.MAPPED
     return moved
 
 

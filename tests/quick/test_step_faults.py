@@ -1,0 +1,72 @@
+"""Faults in the middle of a step, caught, then training on (issue 51), at N=1 and N=2:
+a full disk under ``offload_activations="disk"`` and under the disk tier raises the tier's
+``DiskFullError`` (errno 28) naming the folder, what was being written and the bytes; the
+failed step's files and descriptors are given back; the next steps equal an engine that
+never ran the failed step, bit for bit (or, where an optimizer step was cut short, the
+engine refuses until the last checkpoint is loaded). A fault on one rank only: the other
+rank's timeout names it. Scenarios: tests/worlds/scenarios_step_faults.py (the rest of the
+grid: tests/integration/test_step_faults.py). The injector's named points (forward, recompute,
+backward, reduce, clip, optimizer step before and after its update, activation save and load)
+at stage 3, and a step cut short after the update at every stage."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.faults import (
+    POINTS,
+    assert_activation_fault_recovered,
+    assert_peer_names_failed_rank,
+    assert_point_fault_handled,
+    assert_tier_fault_handled,
+)
+from tests.support.harness import check, run_world
+
+
+@pytest.fixture(scope="module")
+def one() -> dict:
+    return run_world("tests/worlds/scenarios_step_faults.py", 1)
+
+
+@pytest.fixture(scope="module")
+def two() -> dict:
+    return run_world("tests/worlds/scenarios_step_faults.py", 2)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_full_disk_under_activations_n1(one: dict, stage: int) -> None:
+    # the last block's input (backward reads it first): 4 x 33 fp32
+    for r in check(one[f"activations_disk_full_s{stage}"]):
+        assert_activation_fault_recovered(r, "blocks.2", 4 * 33 * 4)
+
+
+def test_full_disk_under_activations_n2(two: dict) -> None:
+    for r in check(two["activations_disk_full_s2"]):
+        assert_activation_fault_recovered(r, "blocks.2", 4 * 33 * 4)
+
+
+def test_a_full_disk_on_one_rank_is_named_by_the_other(two: dict) -> None:
+    assert_peer_names_failed_rank(*check(two["one_rank_disk_full"]))
+
+
+@pytest.mark.parametrize("name", ["s2_0", "s2_50", "s2_90", "s3_90"])
+def test_full_disk_under_the_tier_is_named_then_recovered_or_refused(one: dict,
+                                                                     name: str) -> None:
+    assert_tier_fault_handled(check(one[f"tier_disk_full_{name}"])[0])
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_a_fault_at_each_point_of_a_stage3_step_n1(one: dict, point: str) -> None:
+    assert_point_fault_handled(check(one[f"point_{point}_s3"])[0], point)
+
+
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+@pytest.mark.parametrize("point", ["backward", "optimizer_step_after"])
+def test_a_fault_with_offloaded_states_n1(one: dict, point: str, offload: str) -> None:
+    assert_point_fault_handled(check(one[f"point_{point}_s3_{offload}"])[0], point)
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_a_step_cut_short_refuses_until_reload_n2(two: dict, stage: int) -> None:
+    for r in check(two[f"point_optimizer_step_after_s{stage}"]):
+        assert_point_fault_handled(r, "optimizer_step_after")

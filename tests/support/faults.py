@@ -1,0 +1,221 @@
+"""A fault injector for the engine's steps: named points of a step made to fail on demand.
+
+``disk_full`` makes one of ``os``'s write functions refuse with ENOSPC from its k-th call on,
+as a filesystem that fills up does (it stays full until the block ends): ``pwrite`` is the
+activation writer's (``core/activations.py``), ``pwritev`` the disk tier's write-back
+(``offload/disk.py``). Deterministic, unlike a real small tmpfs, whose first failing write
+depends on sizes and timing (tests/integration/test_disk_faults.py uses one too).
+
+``inject`` raises ``InjectedFault`` at a named point of an engine's step (``POINTS``): the
+forward of a unit, its recomputation, its backward, its reduction, the clip, the optimizer
+step (before any update, or after the inner optimizer updated: a step cut short), saving and
+loading a checkpointed module's input.
+
+``census`` counts what a failed step must not leave behind: the files under a folder and the
+process's open descriptors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+WRITERS = ("pwrite", "pwritev")
+"""The write functions that can be made to fail: the activation writer's, the disk tier's."""
+
+
+@dataclass
+class Injected:
+    """What an injection did: how many calls it saw, how many it refused."""
+
+    calls: int = 0
+    refused: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+@contextlib.contextmanager
+def disk_full(function: str = "pwrite", after: int = 0) -> Iterator[Injected]:
+    """``os.<function>`` raises ``OSError(ENOSPC)`` from call ``after + 1`` on (0: at once)
+    until the block ends; calls before go through. Patched on the ``os`` module, so the
+    writer threads see it too."""
+    if function not in WRITERS:
+        raise ValueError(f"disk_full: {function!r} is not one of {WRITERS}")
+    real: Callable[..., Any] = getattr(os, function)
+    seen = Injected()
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        with seen._lock:
+            seen.calls += 1
+            refuse = seen.calls > after
+            seen.refused += refuse
+        if refuse:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(*args, **kwargs)
+
+    setattr(os, function, failing)
+    try:
+        yield seen
+    finally:
+        setattr(os, function, real)
+
+
+class InjectedFault(RuntimeError):
+    """Raised by ``inject`` at its point."""
+
+
+POINTS = ("forward", "recompute", "backward", "reduce", "clip", "optimizer_step",
+          "optimizer_step_after", "activation_save", "activation_load")
+"""Where ``inject`` can raise. ``optimizer_step_after`` leaves the optimizer stepped and the
+rest of the step not: the engine must refuse to train until a checkpoint is loaded."""
+
+
+@contextlib.contextmanager
+def inject(engine: Any, point: str, module: str = "blocks.1.0", unit: int = 0,
+           fire: bool = True) -> Iterator[Injected]:
+    """Raise ``InjectedFault`` the first time the step reaches ``point`` inside the block:
+    the forward or recomputation of ``module`` (by name), the backward (a gradient arriving)
+    or the reduction of ``engine.units[unit]``; ``fire=False`` (a rank the fault spares) only
+    counts. Everything patched is put back when the block ends."""
+    if point not in POINTS:
+        raise ValueError(f"inject: {point!r} is not one of {POINTS}")
+    seen = Injected()
+
+    def trip(*_: Any, **__: Any) -> None:
+        seen.calls += 1
+        if fire and not seen.refused:
+            seen.refused += 1
+            where = {"forward": module, "recompute": module}.get(point, f"unit {unit}")
+            raise InjectedFault(f"injected fault: {point} of {where}" if point in _OF_UNIT
+                                else f"injected fault: {point}")
+
+    target = engine.units[unit]
+    undo = _install(engine, point, target, dict(engine.module.named_modules())[module], trip)
+    try:
+        yield seen
+    finally:
+        undo()
+
+
+_OF_UNIT = ("forward", "recompute", "backward", "reduce")
+
+
+def _install(engine: Any, point: str, target: Any, module: Any,
+             trip: Callable[..., None]) -> Callable[[], None]:
+    """Put ``trip`` at ``point``; what undoes it."""
+    runtime = engine.runtime
+    if point in ("forward", "recompute"):
+        def pre_forward(*_: Any) -> None:
+            if runtime.recomputing() == (point == "recompute"):
+                trip()
+        return module.register_forward_pre_hook(pre_forward).remove
+    if point == "backward":
+        return _wrap(runtime, "on_grad", lambda unit, *_: unit is target and trip())
+    if point == "reduce":
+        return _wrap(target.grad_store, "launch_reduce", lambda *_: trip())
+    if point == "clip":
+        return _wrap(engine.optimizer, "clip_grad_norm_", lambda *_: trip())
+    if point in ("optimizer_step", "optimizer_step_after"):
+        inner = engine.optimizer.parts[0].inner
+        hook = (inner.register_step_pre_hook if point == "optimizer_step"
+                else inner.register_step_post_hook)
+        return hook(lambda *_: trip()).remove
+    inputs = engine.activations.inputs
+    name = "_pack" if point == "activation_save" else "_unpack"
+    return _wrap(inputs, name, lambda *_: trip())
+
+
+def _wrap(owner: Any, name: str, before: Callable[..., Any]) -> Callable[[], None]:
+    """``owner.name`` runs ``before`` with its arguments first (an instance attribute,
+    looked up at each call); what restores it."""
+    original = getattr(owner, name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        before(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    setattr(owner, name, wrapped)
+    return lambda: owner.__dict__.pop(name, None)
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def files_under(folder: str | None) -> list[str]:
+    """Every file and folder below ``folder`` (relative paths), sorted."""
+    if folder is None or not os.path.isdir(folder):
+        return []
+    out = []
+    for root, dirs, files in os.walk(folder):
+        out += [os.path.relpath(os.path.join(root, n), folder) for n in dirs + files]
+    return sorted(out)
+
+
+def census(folder: str | None) -> dict[str, Any]:
+    """What a failed step must give back: the files under ``folder``, open descriptors."""
+    return {"files": files_under(folder), "fds": open_descriptors()}
+
+
+# ------------------------------------------------------------------ shared checks
+def assert_activation_fault_recovered(r: dict[str, Any], module: str, nbytes: int) -> None:
+    """A step whose activation write met a full disk: named, released, recovered."""
+    assert r["raised"] == "DiskFullError" and r["is_disk_full"], r
+    assert r["errno"] == errno.ENOSPC
+    message = r["message"]
+    # the folder, what was being written, the bytes, and what to do
+    assert "offload_dir='/tmp/zs-stepfault-" in message, message
+    assert f"activation input of module {module!r}" in message, message
+    assert f"{nbytes} bytes needed" in message and "engine.zero_grad()" in message, message
+    assert r["refused"] >= 1
+    # nothing the failed step took is kept: files under the folder, descriptors
+    assert r["census_after"] == r["census_before"], (r["census_before"], r["census_after"])
+    assert r["census_end"] == r["census_before"]
+    # the next steps are the reference's, which never ran the failed step
+    assert r["losses"] == r["ref_losses"]
+    assert r["same"] == {"weights": True, "optimizer": True}
+    assert r["left"] == []
+
+
+def assert_tier_fault_handled(r: dict[str, Any]) -> None:
+    """A step whose disk-tier write-back met a full disk: named; then recovered, or refused
+    until the checkpoint was loaded; the next steps the reference's either way."""
+    assert r["calls_in_a_step"] > 0
+    assert r["raised"] == "DiskFullError" and r["is_disk_full"] and r["errno"] == errno.ENOSPC, r
+    assert "offload_dir='/tmp/zs-tierfault-" in r["message"], r["message"]
+    assert "could not write back" in r["message"] and " bytes)" in r["message"], r["message"]
+    if r["refused"] is not None:  # an optimizer step cut short: reload, never train on
+        assert "reload the last checkpoint" in r["refused"], r["refused"]
+        assert "refuses to train" in r["message"], r["message"]
+    assert r["census_after"] == r["census_before"], (r["census_before"], r["census_after"])
+    assert r["census_end"] == r["census_before"]
+    assert r["losses"] == r["ref_losses"]
+    assert r["same"] == {"weights": True, "optimizer": True}
+    assert r["left"] == []
+
+
+def assert_peer_names_failed_rank(failed: dict[str, Any], peer: dict[str, Any]) -> None:
+    assert failed["raised"] == "DiskFullError", failed
+    assert peer["raised"] in ("CollectiveTimeout", "CollectiveError"), peer
+    assert "rank 0 failed: DiskFullError in backward" in peer["message"], peer["message"]
+    assert "offload_dir=" in peer["message"]
+
+
+def assert_point_fault_handled(r: dict[str, Any], point: str) -> None:
+    """``inject(point)``: the injected error; the same files and descriptors after as before;
+    refused until the reload exactly where the optimizer had begun updating; the next steps
+    the reference's."""
+    assert r["raised"] is not None and r["raised"].startswith(f"injected fault: {point}"), r
+    assert r["calls"] == 1
+    if point == "optimizer_step_after":
+        assert r["refused"] is not None and "reload the last checkpoint" in r["refused"], r
+    else:
+        assert r["refused"] is None, r["refused"]
+    assert r["census_after"] == r["census_before"], (r["census_before"], r["census_after"])
+    assert r["losses"] == r["ref_losses"]
+    assert r["same"] == {"weights": True, "optimizer": True}
+    assert r["left"] == []
