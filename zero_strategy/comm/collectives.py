@@ -19,9 +19,10 @@ no temporary of the whole buffer, half the traffic of gloo's reduce-scatter.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol
@@ -48,6 +49,41 @@ class CollectiveTimeout(CollectiveError):
 
 _INSTANCES: Counter[tuple[int, ...]] = Counter()
 """Communicators built so far in this process, by their ranks."""
+
+_KEPT_WORKS: deque[Any] = deque(maxlen=8)
+"""The last few collectives of ours that gloo ran on its worker threads (``_queued``), kept
+referenced here, and this container never freed, so that no worker thread frees one of them
+while the interpreter exits.
+
+A gloo worker thread marks a collective complete, then drops its reference to it; when that
+reference is the last, the work's destructor releases the tensors it holds, and releasing a
+tensor that has a Python object takes the GIL. A worker descheduled between the two (a loaded
+host) can wake after the script returned, with the interpreter finalizing: taking the GIL then
+ends the thread (``pthread_exit``) inside that ``noexcept`` destructor, and the process aborts
+("terminate called without an active exception", SIGABRT) after a run that completed. The
+workers outlive ``destroy_process_group()``, which joins them only when it drops the group's
+last reference, and once ``torch._dynamo`` is imported (``torch.optim``'s optimizers import
+it) the group stays referenced. Kept here, a work's last reference is never the worker's, so
+its drop frees nothing; the works here are never freed (the container's reference count is
+raised below), whether or not the script destroys its group or closes the engine.
+
+A worker holds one work at a time, so it has dropped every work older than the last 8 unless
+the group's other worker ran 8 collectives while it waited for a CPU. Kept are the
+collectives a script ends on: all-reduces (norms, the step's flags) and ``all_gather_object``
+(the exchanges that end checkpoint saves and loads), and only while their tensors are small
+(``_KEPT_BYTES``), so no large buffer outlives its use. Not kept: all-gathers, reduce-scatters,
+broadcasts and all-to-alls, whose tensors are units' buffers (a kept reference would count as
+an escaped view of a gathered buffer, ``ParamStore.aliases``) or large; under gloo on the
+host all-gathers and reduce-scatters are sends and receives, which run on no worker thread. A
+barrier holds no tensors: freeing it takes no GIL."""
+
+_KEPT_BYTES = 1 << 20
+"""The most tensor bytes a kept work may hold (see ``_KEPT_WORKS``)."""
+
+try:  # never freed, not even at interpreter exit: see _KEPT_WORKS
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_KEPT_WORKS))
+except AttributeError:  # an interpreter without the C API: nothing kept beyond its time
+    pass
 
 
 def group_is_initialized() -> bool:
@@ -369,6 +405,15 @@ class Communicator:
         """Decided per device: the backend string names a backend for each device type."""
         gloo = backend_for(self.backend, self.device.type) == "gloo"
         self._wait_timeout = self._host_timeout if gloo else None
+        self._gloo = gloo
+
+    def _queued(self, work: Any, *tensors: torch.Tensor) -> Any:
+        """``work``, an all-reduce or object exchange queued to the group's worker threads;
+        under gloo kept referenced when its tensors are small, so that no worker thread frees
+        it while the interpreter exits (``_KEPT_WORKS``)."""
+        if self._gloo and sum(t.nbytes for t in tensors) <= _KEPT_BYTES:
+            _KEPT_WORKS.append(work)
+        return work
 
     def _check(self, op: str, *tensors: torch.Tensor) -> None:
         for t in tensors:
@@ -428,14 +473,15 @@ class Communicator:
         """Sum in place over ranks."""
         self._check("all_reduce", tensor)
         self._count("all_reduce", 2 * tensor.nbytes * self._fraction())
-        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        work = self._queued(dist.all_reduce(tensor, group=self.group, async_op=True), tensor)
         return self._finish(work, "all_reduce", async_op)
 
     def all_reduce_max(self, tensor: torch.Tensor, *, host: bool = False) -> torch.Tensor:
         """Max in place over ranks; ``host``: complete for the host, which reads it next."""
         self._check("all_reduce(max)", tensor)
         self._count("all_reduce", 2 * tensor.nbytes * self._fraction())
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        work = self._queued(dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group,
+                                            async_op=True), tensor)
         self.wait(work, "all_reduce(max)", host=host)
         return tensor
 
@@ -658,14 +704,14 @@ class Communicator:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
         sizes = torch.empty(self.world_size, dtype=torch.int64, device=device)
-        self.wait(_all_gather(sizes, size, group=self.group, async_op=True), "all_gather_object",
-                  host=True)
+        self.wait(self._queued(_all_gather(sizes, size, group=self.group, async_op=True), sizes,
+                               size), "all_gather_object", host=True)
         longest = int(sizes.max())
         padded = torch.zeros(longest, dtype=torch.uint8, device=device)
         padded[: data.numel()] = data
         out = torch.empty(longest * self.world_size, dtype=torch.uint8, device=device)
-        self.wait(_all_gather(out, padded, group=self.group, async_op=True), "all_gather_object",
-                  host=True)
+        self.wait(self._queued(_all_gather(out, padded, group=self.group, async_op=True), out,
+                               padded), "all_gather_object", host=True)
         blobs = out.cpu().view(self.world_size, longest)
         return [pickle.loads(blobs[r, : int(n)].numpy().tobytes())
                 for r, n in enumerate(sizes.tolist())]
