@@ -13,6 +13,9 @@ loading a checkpointed module's input.
 
 ``census`` counts what a failed step must not leave behind: the files under a folder and the
 process's open descriptors.
+
+``HungryMLP`` runs out of memory above a batch size, as the batch-size finders of Lightning
+and Accelerate expect on the CPU.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+
+from tests.support.models import MLP
 
 WRITERS = ("pwrite", "pwritev")
 """The write functions that can be made to fail: the activation writer's, the disk tier's."""
@@ -219,3 +226,46 @@ def assert_point_fault_handled(r: dict[str, Any], point: str) -> None:
     assert r["losses"] == r["ref_losses"]
     assert r["same"] == {"weights": True, "optimizer": True}
     assert r["left"] == []
+
+
+# ------------------------------------------------------------------ out of memory
+LIMIT = 8
+"""Rows a ``HungryMLP`` batch may hold before it runs out of memory."""
+OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate {} bytes."
+"""A CPU allocation failure's words: what Lightning's ``is_oom_error`` and Accelerate's
+``should_reduce_batch_size`` recognise (a ``RuntimeError`` with this one argument)."""
+
+
+class _FailInBackward(torch.autograd.Function):
+    """Identity forward; a backward that runs out of memory for a batch above LIMIT."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor) -> torch.Tensor:
+        ctx.rows = h.shape[0]
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if ctx.rows > LIMIT:
+            raise RuntimeError(OOM.format(ctx.rows * 2**30))
+        return grad
+
+
+class HungryMLP(MLP):
+    """``MLP`` that runs out of memory above LIMIT rows, in ``where``: "forward" (before any
+    layer) or "backward" (after the gradients, and under ZeRO the reductions, of the last
+    blocks ran, before the first block's)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.where == "forward" and x.shape[0] > LIMIT:
+            raise RuntimeError(OOM.format(x.shape[0] * 2**30))
+        h = torch.relu(self.inp(x))
+        for i, block in enumerate(self.blocks):
+            h = h + block(h)
+            if i == 0 and self.where == "backward":
+                h = _FailInBackward.apply(h)
+        return self.out(self.norm(h))
