@@ -16,6 +16,7 @@ import pytest
 from tests.support.faults import (
     POINTS,
     assert_activation_fault_recovered,
+    assert_one_rank_tier_fault_agreed,
     assert_peer_names_failed_rank,
     assert_point_fault_handled,
     assert_tier_fault_handled,
@@ -47,6 +48,13 @@ def test_full_disk_under_activations_n2(two: dict) -> None:
 
 def test_a_full_disk_on_one_rank_is_named_by_the_other(two: dict) -> None:
     assert_peer_names_failed_rank(*check(two["one_rank_disk_full"]))
+
+
+@pytest.mark.parametrize("name", ["s2_0", "s3_50"])
+def test_ranks_agree_on_one_ranks_tier_failure_n2(two: dict, name: str) -> None:
+    """Rank 0's write-back fails: before the update every rank raises and recovers; in the
+    step (rank 0 cut short, rank 1 stepped) every rank refuses until the reload."""
+    assert_one_rank_tier_fault_agreed(*check(two[f"tier_disk_full_one_rank_{name}"]))
 
 
 @pytest.mark.parametrize("name", ["s2_0", "s2_50", "s2_90", "s3_90"])

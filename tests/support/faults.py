@@ -205,6 +205,25 @@ def assert_tier_fault_handled(r: dict[str, Any]) -> None:
     assert r["left"] == []
 
 
+def assert_one_rank_tier_fault_agreed(failed: dict[str, Any], peer: dict[str, Any]) -> None:
+    """Only rank 0's disk tier failed: rank 0 as ``assert_tier_fault_handled``; rank 1 raised
+    ``PeerCutShort`` naming rank 0 wherever rank 0's error stopped the step (nothing where it
+    stepped and only a later write-back failed), and refused exactly when rank 0 refused;
+    both then train on as the reference."""
+    assert_tier_fault_handled(failed)
+    if failed["stepped"]:
+        assert peer["raised"] is None and peer["stepped"], peer
+    else:
+        assert peer["raised"] == "PeerCutShort" and "rank(s) [0]" in peer["message"], peer
+    assert (peer["refused"] is None) == (failed["refused"] is None), (failed, peer)
+    if peer["refused"] is not None:
+        assert "reload the last checkpoint" in peer["refused"], peer["refused"]
+    assert peer["census_after"] == peer["census_before"]
+    assert peer["losses"] == peer["ref_losses"]
+    assert peer["same"] == {"weights": True, "optimizer": True}
+    assert peer["left"] == []
+
+
 def assert_peer_names_failed_rank(failed: dict[str, Any], peer: dict[str, Any]) -> None:
     assert failed["raised"] == "DiskFullError", failed
     assert peer["raised"] in ("CollectiveTimeout", "CollectiveError"), peer

@@ -23,6 +23,7 @@ import zero_strategy as zs
 from tests.support.faults import POINTS, InjectedFault, census, disk_full, inject
 from tests.support.harness import register
 from tests.support.models import batch, loss_of, make_model, make_optimizer, zero_config
+from zero_strategy.engine.step import PeerCutShort
 from zero_strategy.offload.disk import DiskFullError
 
 KIND = "mlp"
@@ -97,14 +98,16 @@ def _tier_engine(stage: int, folder: str) -> zs.ZeroEngine:
         KIND, stage, offload_dir=folder, **tiers))
 
 
-def tier_disk_full(stage: int, share: float) -> dict[str, Any]:
+def tier_disk_full(stage: int, share: float, one_rank: bool = False) -> dict[str, Any]:
     """The disk tier's write-backs (parameters, gradients, optimizer states) refused from the
     ``share`` point of a step on: a DiskFullError naming the folder and the tensors; then the
     engine goes on (the values were still in memory) or refuses to train until the checkpoint
     saved before the step is loaded. Either way the next steps equal the reference's: one
     that never ran the failed step, or, where the step went through and only a write-back
-    after it failed (raised by ``settle_tier()``), one that ran it."""
-    folder, checkpoints = tempfile.mkdtemp(prefix="zs-tierfault-"), tempfile.mkdtemp()
+    after it failed (raised by ``settle_tier()``), one that ran it. ``one_rank``: only rank
+    0's disk fills; the other ranks raise ``PeerCutShort`` where rank 0's error stops the step
+    and refuse with it (the ranks agree), so every rank takes the same way on."""
+    folder, checkpoints = tempfile.mkdtemp(prefix="zs-tierfault-"), _shared_folder()
     engine, ref = _tier_engine(stage, folder), _tier_engine(stage, tempfile.mkdtemp())
     gen = torch.Generator().manual_seed(3)
     warm, *data = [batch(KIND, gen) for _ in range(5)]
@@ -116,7 +119,8 @@ def tier_disk_full(stage: int, share: float) -> dict[str, Any]:
     engine.save_checkpoint(checkpoints, tag="before")
     ref.settle_tier()  # none of the reference's write-backs in flight when the disk fills
     before = census(folder)
-    out = _failed_step_tier(engine, data[1], after=int(share * seen.calls))
+    fill = not one_rank or dist.get_rank() == 0
+    out = _failed_step_tier(engine, data[1], after=int(share * seen.calls) if fill else 10**9)
     out["calls_in_a_step"] = seen.calls
     out["census_before"], out["census_after"] = before, census(folder)
     try:
@@ -147,6 +151,8 @@ def _failed_step_tier(engine: zs.ZeroEngine, data: dict[str, torch.Tensor],
     except OSError as e:
         out.update(raised=type(e).__name__, errno=e.errno, message=str(e),
                    is_disk_full=isinstance(e, DiskFullError))
+    except PeerCutShort as e:  # another rank's disk filled
+        out.update(raised=type(e).__name__, message=str(e))
     engine.zero_grad()
     return out
 
@@ -305,13 +311,24 @@ for _stage in (2, 3):
     if _wanted(SIZE == 1 or _stage == 2):
         register(f"activations_disk_full_s{_stage}", activations_disk_full, stage=_stage)
 if SIZE == 1:
-    # One rank: whether a write-back failure leaves the engine refusing is this rank's
-    # alone (across ranks it is not agreed yet, see the CHANGELOG).
     for _stage in (2, 3):
         for _share in (0.0, 0.5, 0.9):
             if _wanted(_stage == 2 or _share == 0.9):
                 register(f"tier_disk_full_s{_stage}_{int(_share * 100)}", tier_disk_full,
                          stage=_stage, share=_share)
+if SIZE > 1 and not NONE:
+    # Only rank 0's disk fills, in the write-backs before the update (stage 2 from the start:
+    # every rank raises, all recover), in the optimizer step (stage 3 half-way: rank 0's step
+    # is cut short, rank 1's went through, both refuse until the reload) or after it (stage
+    # 2 half-way: rank 0's settle_tier() raises, nothing to agree on). Stage 3 from the
+    # start fails in backward: rank 1's reduction times out naming rank 0 (as above).
+    register("tier_disk_full_one_rank_s2_0", tier_disk_full, stage=2, share=0.0,
+             one_rank=True)
+    register("tier_disk_full_one_rank_s3_50", tier_disk_full, stage=3, share=0.5,
+             one_rank=True)
+    if not QUICK:
+        register("tier_disk_full_one_rank_s2_50", tier_disk_full, stage=2, share=0.5,
+                 one_rank=True)
 for _stage in range(4):
     for _point in POINTS:
         if _wanted(_point == "optimizer_step_after" or (_stage == 3 and SIZE == 1)):
