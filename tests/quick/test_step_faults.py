@@ -16,6 +16,7 @@ import pytest
 from tests.support.faults import (
     POINTS,
     assert_activation_fault_recovered,
+    assert_checkpoint_write_fault_handled,
     assert_one_rank_tier_fault_agreed,
     assert_peer_names_failed_rank,
     assert_point_fault_handled,
@@ -78,3 +79,17 @@ def test_a_fault_with_offloaded_states_n1(one: dict, point: str, offload: str) -
 def test_a_step_cut_short_refuses_until_reload_n2(two: dict, stage: int) -> None:
     for r in check(two[f"point_optimizer_step_after_s{stage}"]):
         assert_point_fault_handled(r, "optimizer_step_after")
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_checkpoint_write_cut_short_on_rank0(one: dict, two: dict, size: int) -> None:
+    assert_checkpoint_write_fault_handled(check((one, two)[size - 1]["checkpoint_write_s3"]))
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_checkpoint_from_before_the_first_step_drops_the_optimizer_state(
+        one: dict, two: dict, size: int) -> None:
+    for r in check((one, two)[size - 1]["reload_before_first_step_s3"]):
+        assert r["losses"] == r["ref_losses"]
+        assert r["same"] == {"weights": True, "optimizer": True}
+

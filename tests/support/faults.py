@@ -11,6 +11,9 @@ forward of a unit, its recomputation, its backward, its reduction, the clip, the
 step (before any update, or after the inner optimizer updated: a step cut short), saving and
 loading a checkpointed module's input.
 
+``checkpoint_write_fault`` cuts the checkpoint writer's shard file short on the ranks it
+fires on.
+
 ``census`` counts what a failed step must not leave behind: the files under a folder and the
 process's open descriptors.
 
@@ -147,6 +150,30 @@ def _wrap(owner: Any, name: str, before: Callable[..., Any]) -> Callable[[], Non
 
     setattr(owner, name, wrapped)
     return lambda: owner.__dict__.pop(name, None)
+
+
+@contextlib.contextmanager
+def checkpoint_write_fault(fire: bool = True) -> Iterator[Injected]:
+    """The checkpoint writer's shard file (``checkpoint.write._save_tensors``) is cut short
+    where ``fire``: a first MiB of it lands, then ``InjectedFault``, as a disk that fills
+    while a checkpoint is written; ``fire=False`` (a rank the fault spares) only counts."""
+    from zero_strategy.checkpoint import write
+
+    real, seen = write._save_tensors, Injected()
+
+    def failing(tensors: dict[str, Any], path: Any) -> dict[str, Any]:
+        seen.calls += 1
+        if not fire:
+            return real(tensors, path)
+        seen.refused += 1
+        path.write_bytes(b"\0" * (1 << 20))  # the part that fit
+        raise InjectedFault(f"injected fault: checkpoint_write of {path.name}")
+
+    write._save_tensors = failing
+    try:
+        yield seen
+    finally:
+        write._save_tensors = real
 
 
 def open_descriptors() -> int:
@@ -288,3 +315,23 @@ class HungryMLP(MLP):
             if i == 0 and self.where == "backward":
                 h = _FailInBackward.apply(h)
         return self.out(self.norm(h))
+
+
+def assert_checkpoint_write_fault_handled(ranks: list[dict[str, Any]]) -> None:
+    """Rank 0's shard file cut short while writing tag "b": every rank raised naming rank 0
+    and the injected fault; "a" is still ``latest`` with the same tensors; "b" is refused
+    (nothing of it published, no temporary folder left); training went on bit for bit as a
+    reference that never tried the save; the next save of "b" holds the engine's weights."""
+    for rank, r in enumerate(ranks):
+        assert r["raised"] is not None, r
+        assert "failed while writing on rank 0 (rank 0: InjectedFault: injected fault: " \
+            "checkpoint_write" in r["raised"], r["raised"]
+        assert "nothing was published" in r["raised"], r["raised"]
+        assert r["refused"] == (1 if rank == 0 else 0) and r["calls"] >= r["refused"]
+        assert r["entries"] == ["a", "latest"] and r["latest"] == "a", r  # no .tmp-b left
+        assert r["a_intact"], "the previous checkpoint changed"
+        assert r["b_refused"] is not None and r["b_refused"].startswith("CheckpointError")
+        assert r["losses"] == r["ref_losses"]
+        assert r["same"] == {"weights": True, "optimizer": True}
+        assert r["b_saved"]
+

@@ -20,7 +20,14 @@ import torch
 import torch.distributed as dist
 
 import zero_strategy as zs
-from tests.support.faults import POINTS, InjectedFault, census, disk_full, inject
+from tests.support.faults import (
+    POINTS,
+    InjectedFault,
+    census,
+    checkpoint_write_fault,
+    disk_full,
+    inject,
+)
 from tests.support.harness import register
 from tests.support.models import batch, loss_of, make_model, make_optimizer, zero_config
 from zero_strategy.engine.step import PeerCutShort
@@ -296,6 +303,71 @@ def one_rank_point(stage: int, point: str) -> dict[str, Any]:
     return out
 
 
+def _plain(stage: int) -> zs.ZeroEngine:
+    model = make_model(KIND)
+    return zs.ZeroEngine(model, make_optimizer("adamw", model), zero_config(KIND, stage))
+
+
+def checkpoint_write(stage: int) -> dict[str, Any]:
+    """Rank 0's shard file is cut short while tag "b" is written (``checkpoint_write_fault``):
+    every rank raises the save's ``CheckpointError`` naming rank 0; "a" (the previous
+    checkpoint) is still ``latest`` and holds the same tensors; "b" is not there to load, and
+    no temporary file is left; training then goes on bit for bit as a reference that never
+    tried the save, and the next save of "b" holds the engine's weights."""
+    folder = _shared_folder()
+    engine, ref = _plain(stage), _plain(stage)
+    gen = torch.Generator().manual_seed(5 + dist.get_rank())
+    data = [batch(KIND, gen) for _ in range(4)]
+    _step(engine, data[0]), _step(ref, data[0])
+    engine.save_checkpoint(folder, tag="a")
+    before = zs.consolidate(folder, tag="a")
+    _step(engine, data[1]), _step(ref, data[1])
+    out: dict[str, Any] = {"raised": None}
+    with checkpoint_write_fault(fire=dist.get_rank() == 0) as seen:
+        try:
+            engine.save_checkpoint(folder, tag="b")
+        except zs.CheckpointError as e:
+            out["raised"] = str(e)
+    out["calls"], out["refused"] = seen.calls, seen.refused
+    dist.barrier()  # every rank's save is over before rank 0's look at the folder
+    after = zs.consolidate(folder, tag="a")
+    out["entries"] = sorted(os.listdir(folder))
+    out["latest"] = open(os.path.join(folder, "latest")).read()
+    out["a_intact"] = before.keys() == after.keys() and all(
+        torch.equal(before[k], after[k]) for k in before)
+    try:
+        zs.consolidate(folder, tag="b")
+        out["b_refused"] = None
+    except (zs.CheckpointError, FileNotFoundError) as e:
+        out["b_refused"] = f"{type(e).__name__}: {e}"
+    out["losses"] = [_step(engine, d) for d in data[2:]]
+    out["ref_losses"] = [_step(ref, d) for d in data[2:]]
+    out["same"] = _same_state(engine, ref)
+    engine.save_checkpoint(folder, tag="b")
+    saved, now = zs.consolidate(folder, tag="b"), engine.full_state_dict()
+    out["b_saved"] = all(torch.equal(saved[k], now[k]) for k in now)
+    engine.close(), ref.close()
+    return out
+
+
+def reload_before_first_step(stage: int) -> dict[str, Any]:
+    """A checkpoint saved before the first step (what a batch-size finder saves, and loads
+    after its trials) holds no optimizer state: loading it drops the trained one, so the
+    next steps are a new engine's (before, Adam's moments of the trials stayed)."""
+    folder = _shared_folder()
+    engine, fresh = _plain(stage), _plain(stage)
+    engine.save_checkpoint(folder, tag="start")
+    gen = torch.Generator().manual_seed(9 + dist.get_rank())
+    data = [batch(KIND, gen) for _ in range(4)]
+    for d in data[:2]:
+        _step(engine, d)
+    engine.load_checkpoint(folder, tag="start")
+    out = {"losses": [_step(engine, d) for d in data[2:]],
+           "ref_losses": [_step(fresh, d) for d in data[2:]], "same": _same_state(engine, fresh)}
+    engine.close(), fresh.close()
+    return out
+
+
 QUICK = os.environ.get("ZS_STEP_FAULTS", "quick") == "quick"
 """tests/quick runs the cases below marked quick; tests/integration (ZS_STEP_FAULTS=all)
 all of them."""
@@ -338,6 +410,11 @@ for _offload in ("cpu", "disk"):
         if _wanted(SIZE == 1):
             register(f"point_{_point}_s3_{_offload}", point_fault, stage=3, point=_point,
                      offload=_offload)
+for _stage in (1, 3):
+    if _wanted(_stage == 3):
+        register(f"checkpoint_write_s{_stage}", checkpoint_write, stage=_stage)
+        register(f"reload_before_first_step_s{_stage}", reload_before_first_step,
+                 stage=_stage)
 if os.environ.get("ZS_TMPFS"):
     register("real_tmpfs", real_tmpfs, folder=os.environ["ZS_TMPFS"])
 if SIZE > 1 and not NONE:  # last: each leaves a group of its own with collectives unmatched
