@@ -7,7 +7,10 @@ engine refuses until the last checkpoint is loaded). A fault on one rank only: t
 rank's timeout names it. Scenarios: tests/worlds/scenarios_step_faults.py (the rest of the
 grid: tests/integration/test_step_faults.py). The injector's named points (forward, recompute,
 backward, reduce, clip, optimizer step before and after its update, activation save and load)
-at stage 3, and a step cut short after the update at every stage."""
+at stage 3, and a step cut short after the update at every stage. Only rank 0's disk tier
+full at N=2: the ranks agree (every rank raises and recovers, or every rank refuses until the
+reload). A checkpoint write cut short on rank 0 (N=1 and 2), and a checkpoint from before the
+first step loaded after training."""
 
 from __future__ import annotations
 

@@ -7,6 +7,10 @@ step raises the tier's ``DiskFullError`` naming the folder, the module and the b
 files and descriptors the step took are given back; the next steps train as the reference.
 The one-rank fault runs last, in a group of its own with a short timeout (it leaves that
 group's collectives unmatched).
+
+Also: only rank 0's disk tier full (the ranks agree whether to recover or refuse), a
+checkpoint's shard file cut short on rank 0 (``checkpoint_write_fault``), and a checkpoint
+saved before the first step loaded after training.
 """
 
 from __future__ import annotations
