@@ -14,6 +14,8 @@ import pytest
 
 from tests.support.faults import (
     assert_activation_fault_recovered,
+    assert_checkpoint_write_fault_handled,
+    assert_one_rank_tier_fault_agreed,
     assert_peer_names_failed_rank,
     assert_point_fault_handled,
     assert_tier_fault_handled,
@@ -30,6 +32,13 @@ def test_the_whole_grid(size: int) -> None:
         if name.startswith("activations_disk_full"):
             for r in check(per_rank):
                 assert_activation_fault_recovered(r, "blocks.2", 4 * 33 * 4)
+        elif name.startswith("checkpoint_write"):
+            assert_checkpoint_write_fault_handled(check(per_rank))
+        elif name.startswith("reload_before_first_step"):
+            for r in check(per_rank):
+                assert r["losses"] == r["ref_losses"] and all(r["same"].values())
+        elif name.startswith("tier_disk_full_one_rank"):
+            assert_one_rank_tier_fault_agreed(*check(per_rank))
         elif name.startswith("tier_disk_full"):
             assert_tier_fault_handled(check(per_rank)[0])
         elif name == "one_rank_disk_full":

@@ -7,7 +7,10 @@ engine refuses until the last checkpoint is loaded). A fault on one rank only: t
 rank's timeout names it. Scenarios: tests/worlds/scenarios_step_faults.py (the rest of the
 grid: tests/integration/test_step_faults.py). The injector's named points (forward, recompute,
 backward, reduce, clip, optimizer step before and after its update, activation save and load)
-at stage 3, and a step cut short after the update at every stage."""
+at stage 3, and a step cut short after the update at every stage. Only rank 0's disk tier
+full at N=2: the ranks agree (every rank raises and recovers, or every rank refuses until the
+reload). A checkpoint write cut short on rank 0 (N=1 and 2), and a checkpoint from before the
+first step loaded after training."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import pytest
 from tests.support.faults import (
     POINTS,
     assert_activation_fault_recovered,
+    assert_checkpoint_write_fault_handled,
+    assert_one_rank_tier_fault_agreed,
     assert_peer_names_failed_rank,
     assert_point_fault_handled,
     assert_tier_fault_handled,
@@ -49,6 +54,13 @@ def test_a_full_disk_on_one_rank_is_named_by_the_other(two: dict) -> None:
     assert_peer_names_failed_rank(*check(two["one_rank_disk_full"]))
 
 
+@pytest.mark.parametrize("name", ["s2_0", "s3_50"])
+def test_ranks_agree_on_one_ranks_tier_failure_n2(two: dict, name: str) -> None:
+    """Rank 0's write-back fails: before the update every rank raises and recovers; in the
+    step (rank 0 cut short, rank 1 stepped) every rank refuses until the reload."""
+    assert_one_rank_tier_fault_agreed(*check(two[f"tier_disk_full_one_rank_{name}"]))
+
+
 @pytest.mark.parametrize("name", ["s2_0", "s2_50", "s2_90", "s3_90"])
 def test_full_disk_under_the_tier_is_named_then_recovered_or_refused(one: dict,
                                                                      name: str) -> None:
@@ -70,3 +82,17 @@ def test_a_fault_with_offloaded_states_n1(one: dict, point: str, offload: str) -
 def test_a_step_cut_short_refuses_until_reload_n2(two: dict, stage: int) -> None:
     for r in check(two[f"point_optimizer_step_after_s{stage}"]):
         assert_point_fault_handled(r, "optimizer_step_after")
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_checkpoint_write_cut_short_on_rank0(one: dict, two: dict, size: int) -> None:
+    assert_checkpoint_write_fault_handled(check((one, two)[size - 1]["checkpoint_write_s3"]))
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_checkpoint_from_before_the_first_step_drops_the_optimizer_state(
+        one: dict, two: dict, size: int) -> None:
+    for r in check((one, two)[size - 1]["reload_before_first_step_s3"]):
+        assert r["losses"] == r["ref_losses"]
+        assert r["same"] == {"weights": True, "optimizer": True}
+

@@ -11,8 +11,14 @@ forward of a unit, its recomputation, its backward, its reduction, the clip, the
 step (before any update, or after the inner optimizer updated: a step cut short), saving and
 loading a checkpointed module's input.
 
+``checkpoint_write_fault`` cuts the checkpoint writer's shard file short on the ranks it
+fires on.
+
 ``census`` counts what a failed step must not leave behind: the files under a folder and the
 process's open descriptors.
+
+``HungryMLP`` runs out of memory above a batch size, as the batch-size finders of Lightning
+and Accelerate expect on the CPU.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+
+from tests.support.models import MLP
 
 WRITERS = ("pwrite", "pwritev")
 """The write functions that can be made to fail: the activation writer's, the disk tier's."""
@@ -142,6 +152,30 @@ def _wrap(owner: Any, name: str, before: Callable[..., Any]) -> Callable[[], Non
     return lambda: owner.__dict__.pop(name, None)
 
 
+@contextlib.contextmanager
+def checkpoint_write_fault(fire: bool = True) -> Iterator[Injected]:
+    """The checkpoint writer's shard file (``checkpoint.write._save_tensors``) is cut short
+    where ``fire``: a first MiB of it lands, then ``InjectedFault``, as a disk that fills
+    while a checkpoint is written; ``fire=False`` (a rank the fault spares) only counts."""
+    from zero_strategy.checkpoint import write
+
+    real, seen = write._save_tensors, Injected()
+
+    def failing(tensors: dict[str, Any], path: Any) -> dict[str, Any]:
+        seen.calls += 1
+        if not fire:
+            return real(tensors, path)
+        seen.refused += 1
+        path.write_bytes(b"\0" * (1 << 20))  # the part that fit
+        raise InjectedFault(f"injected fault: checkpoint_write of {path.name}")
+
+    write._save_tensors = failing
+    try:
+        yield seen
+    finally:
+        write._save_tensors = real
+
+
 def open_descriptors() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -198,6 +232,25 @@ def assert_tier_fault_handled(r: dict[str, Any]) -> None:
     assert r["left"] == []
 
 
+def assert_one_rank_tier_fault_agreed(failed: dict[str, Any], peer: dict[str, Any]) -> None:
+    """Only rank 0's disk tier failed: rank 0 as ``assert_tier_fault_handled``; rank 1 raised
+    ``PeerCutShort`` naming rank 0 wherever rank 0's error stopped the step (nothing where it
+    stepped and only a later write-back failed), and refused exactly when rank 0 refused;
+    both then train on as the reference."""
+    assert_tier_fault_handled(failed)
+    if failed["stepped"]:
+        assert peer["raised"] is None and peer["stepped"], peer
+    else:
+        assert peer["raised"] == "PeerCutShort" and "rank(s) [0]" in peer["message"], peer
+    assert (peer["refused"] is None) == (failed["refused"] is None), (failed, peer)
+    if peer["refused"] is not None:
+        assert "reload the last checkpoint" in peer["refused"], peer["refused"]
+    assert peer["census_after"] == peer["census_before"]
+    assert peer["losses"] == peer["ref_losses"]
+    assert peer["same"] == {"weights": True, "optimizer": True}
+    assert peer["left"] == []
+
+
 def assert_peer_names_failed_rank(failed: dict[str, Any], peer: dict[str, Any]) -> None:
     assert failed["raised"] == "DiskFullError", failed
     assert peer["raised"] in ("CollectiveTimeout", "CollectiveError"), peer
@@ -219,3 +272,66 @@ def assert_point_fault_handled(r: dict[str, Any], point: str) -> None:
     assert r["losses"] == r["ref_losses"]
     assert r["same"] == {"weights": True, "optimizer": True}
     assert r["left"] == []
+
+
+# ------------------------------------------------------------------ out of memory
+LIMIT = 8
+"""Rows a ``HungryMLP`` batch may hold before it runs out of memory."""
+OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate {} bytes."
+"""A CPU allocation failure's words: what Lightning's ``is_oom_error`` and Accelerate's
+``should_reduce_batch_size`` recognise (a ``RuntimeError`` with this one argument)."""
+
+
+class _FailInBackward(torch.autograd.Function):
+    """Identity forward; a backward that runs out of memory for a batch above LIMIT."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor) -> torch.Tensor:
+        ctx.rows = h.shape[0]
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if ctx.rows > LIMIT:
+            raise RuntimeError(OOM.format(ctx.rows * 2**30))
+        return grad
+
+
+class HungryMLP(MLP):
+    """``MLP`` that runs out of memory above LIMIT rows, in ``where``: "forward" (before any
+    layer) or "backward" (after the gradients, and under ZeRO the reductions, of the last
+    blocks ran, before the first block's)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.where == "forward" and x.shape[0] > LIMIT:
+            raise RuntimeError(OOM.format(x.shape[0] * 2**30))
+        h = torch.relu(self.inp(x))
+        for i, block in enumerate(self.blocks):
+            h = h + block(h)
+            if i == 0 and self.where == "backward":
+                h = _FailInBackward.apply(h)
+        return self.out(self.norm(h))
+
+
+def assert_checkpoint_write_fault_handled(ranks: list[dict[str, Any]]) -> None:
+    """Rank 0's shard file cut short while writing tag "b": every rank raised naming rank 0
+    and the injected fault; "a" is still ``latest`` with the same tensors; "b" is refused
+    (nothing of it published, no temporary folder left); training went on bit for bit as a
+    reference that never tried the save; the next save of "b" holds the engine's weights."""
+    for rank, r in enumerate(ranks):
+        assert r["raised"] is not None, r
+        assert "failed while writing on rank 0 (rank 0: InjectedFault: injected fault: " \
+            "checkpoint_write" in r["raised"], r["raised"]
+        assert "nothing was published" in r["raised"], r["raised"]
+        assert r["refused"] == (1 if rank == 0 else 0) and r["calls"] >= r["refused"]
+        assert r["entries"] == ["a", "latest"] and r["latest"] == "a", r  # no .tmp-b left
+        assert r["a_intact"], "the previous checkpoint changed"
+        assert r["b_refused"] is not None and r["b_refused"].startswith("CheckpointError")
+        assert r["losses"] == r["ref_losses"]
+        assert r["same"] == {"weights": True, "optimizer": True}
+        assert r["b_saved"]
+

@@ -7,6 +7,10 @@ step raises the tier's ``DiskFullError`` naming the folder, the module and the b
 files and descriptors the step took are given back; the next steps train as the reference.
 The one-rank fault runs last, in a group of its own with a short timeout (it leaves that
 group's collectives unmatched).
+
+Also: only rank 0's disk tier full (the ranks agree whether to recover or refuse), a
+checkpoint's shard file cut short on rank 0 (``checkpoint_write_fault``), and a checkpoint
+saved before the first step loaded after training.
 """
 
 from __future__ import annotations
@@ -20,9 +24,17 @@ import torch
 import torch.distributed as dist
 
 import zero_strategy as zs
-from tests.support.faults import POINTS, InjectedFault, census, disk_full, inject
+from tests.support.faults import (
+    POINTS,
+    InjectedFault,
+    census,
+    checkpoint_write_fault,
+    disk_full,
+    inject,
+)
 from tests.support.harness import register
 from tests.support.models import batch, loss_of, make_model, make_optimizer, zero_config
+from zero_strategy.engine.step import PeerCutShort
 from zero_strategy.offload.disk import DiskFullError
 
 KIND = "mlp"
@@ -97,14 +109,16 @@ def _tier_engine(stage: int, folder: str) -> zs.ZeroEngine:
         KIND, stage, offload_dir=folder, **tiers))
 
 
-def tier_disk_full(stage: int, share: float) -> dict[str, Any]:
+def tier_disk_full(stage: int, share: float, one_rank: bool = False) -> dict[str, Any]:
     """The disk tier's write-backs (parameters, gradients, optimizer states) refused from the
     ``share`` point of a step on: a DiskFullError naming the folder and the tensors; then the
     engine goes on (the values were still in memory) or refuses to train until the checkpoint
     saved before the step is loaded. Either way the next steps equal the reference's: one
     that never ran the failed step, or, where the step went through and only a write-back
-    after it failed (raised by ``settle_tier()``), one that ran it."""
-    folder, checkpoints = tempfile.mkdtemp(prefix="zs-tierfault-"), tempfile.mkdtemp()
+    after it failed (raised by ``settle_tier()``), one that ran it. ``one_rank``: only rank
+    0's disk fills; the other ranks raise ``PeerCutShort`` where rank 0's error stops the step
+    and refuse with it (the ranks agree), so every rank takes the same way on."""
+    folder, checkpoints = tempfile.mkdtemp(prefix="zs-tierfault-"), _shared_folder()
     engine, ref = _tier_engine(stage, folder), _tier_engine(stage, tempfile.mkdtemp())
     gen = torch.Generator().manual_seed(3)
     warm, *data = [batch(KIND, gen) for _ in range(5)]
@@ -116,7 +130,8 @@ def tier_disk_full(stage: int, share: float) -> dict[str, Any]:
     engine.save_checkpoint(checkpoints, tag="before")
     ref.settle_tier()  # none of the reference's write-backs in flight when the disk fills
     before = census(folder)
-    out = _failed_step_tier(engine, data[1], after=int(share * seen.calls))
+    fill = not one_rank or dist.get_rank() == 0
+    out = _failed_step_tier(engine, data[1], after=int(share * seen.calls) if fill else 10**9)
     out["calls_in_a_step"] = seen.calls
     out["census_before"], out["census_after"] = before, census(folder)
     try:
@@ -147,6 +162,8 @@ def _failed_step_tier(engine: zs.ZeroEngine, data: dict[str, torch.Tensor],
     except OSError as e:
         out.update(raised=type(e).__name__, errno=e.errno, message=str(e),
                    is_disk_full=isinstance(e, DiskFullError))
+    except PeerCutShort as e:  # another rank's disk filled
+        out.update(raised=type(e).__name__, message=str(e))
     engine.zero_grad()
     return out
 
@@ -290,6 +307,71 @@ def one_rank_point(stage: int, point: str) -> dict[str, Any]:
     return out
 
 
+def _plain(stage: int) -> zs.ZeroEngine:
+    model = make_model(KIND)
+    return zs.ZeroEngine(model, make_optimizer("adamw", model), zero_config(KIND, stage))
+
+
+def checkpoint_write(stage: int) -> dict[str, Any]:
+    """Rank 0's shard file is cut short while tag "b" is written (``checkpoint_write_fault``):
+    every rank raises the save's ``CheckpointError`` naming rank 0; "a" (the previous
+    checkpoint) is still ``latest`` and holds the same tensors; "b" is not there to load, and
+    no temporary file is left; training then goes on bit for bit as a reference that never
+    tried the save, and the next save of "b" holds the engine's weights."""
+    folder = _shared_folder()
+    engine, ref = _plain(stage), _plain(stage)
+    gen = torch.Generator().manual_seed(5 + dist.get_rank())
+    data = [batch(KIND, gen) for _ in range(4)]
+    _step(engine, data[0]), _step(ref, data[0])
+    engine.save_checkpoint(folder, tag="a")
+    before = zs.consolidate(folder, tag="a")
+    _step(engine, data[1]), _step(ref, data[1])
+    out: dict[str, Any] = {"raised": None}
+    with checkpoint_write_fault(fire=dist.get_rank() == 0) as seen:
+        try:
+            engine.save_checkpoint(folder, tag="b")
+        except zs.CheckpointError as e:
+            out["raised"] = str(e)
+    out["calls"], out["refused"] = seen.calls, seen.refused
+    dist.barrier()  # every rank's save is over before rank 0's look at the folder
+    after = zs.consolidate(folder, tag="a")
+    out["entries"] = sorted(os.listdir(folder))
+    out["latest"] = open(os.path.join(folder, "latest")).read()
+    out["a_intact"] = before.keys() == after.keys() and all(
+        torch.equal(before[k], after[k]) for k in before)
+    try:
+        zs.consolidate(folder, tag="b")
+        out["b_refused"] = None
+    except (zs.CheckpointError, FileNotFoundError) as e:
+        out["b_refused"] = f"{type(e).__name__}: {e}"
+    out["losses"] = [_step(engine, d) for d in data[2:]]
+    out["ref_losses"] = [_step(ref, d) for d in data[2:]]
+    out["same"] = _same_state(engine, ref)
+    engine.save_checkpoint(folder, tag="b")
+    saved, now = zs.consolidate(folder, tag="b"), engine.full_state_dict()
+    out["b_saved"] = all(torch.equal(saved[k], now[k]) for k in now)
+    engine.close(), ref.close()
+    return out
+
+
+def reload_before_first_step(stage: int) -> dict[str, Any]:
+    """A checkpoint saved before the first step (what a batch-size finder saves, and loads
+    after its trials) holds no optimizer state: loading it drops the trained one, so the
+    next steps are a new engine's (before, Adam's moments of the trials stayed)."""
+    folder = _shared_folder()
+    engine, fresh = _plain(stage), _plain(stage)
+    engine.save_checkpoint(folder, tag="start")
+    gen = torch.Generator().manual_seed(9 + dist.get_rank())
+    data = [batch(KIND, gen) for _ in range(4)]
+    for d in data[:2]:
+        _step(engine, d)
+    engine.load_checkpoint(folder, tag="start")
+    out = {"losses": [_step(engine, d) for d in data[2:]],
+           "ref_losses": [_step(fresh, d) for d in data[2:]], "same": _same_state(engine, fresh)}
+    engine.close(), fresh.close()
+    return out
+
+
 QUICK = os.environ.get("ZS_STEP_FAULTS", "quick") == "quick"
 """tests/quick runs the cases below marked quick; tests/integration (ZS_STEP_FAULTS=all)
 all of them."""
@@ -305,13 +387,24 @@ for _stage in (2, 3):
     if _wanted(SIZE == 1 or _stage == 2):
         register(f"activations_disk_full_s{_stage}", activations_disk_full, stage=_stage)
 if SIZE == 1:
-    # One rank: whether a write-back failure leaves the engine refusing is this rank's
-    # alone (across ranks it is not agreed yet, see the CHANGELOG).
     for _stage in (2, 3):
         for _share in (0.0, 0.5, 0.9):
             if _wanted(_stage == 2 or _share == 0.9):
                 register(f"tier_disk_full_s{_stage}_{int(_share * 100)}", tier_disk_full,
                          stage=_stage, share=_share)
+if SIZE > 1 and not NONE:
+    # Only rank 0's disk fills, in the write-backs before the update (stage 2 from the start:
+    # every rank raises, all recover), in the optimizer step (stage 3 half-way: rank 0's step
+    # is cut short, rank 1's went through, both refuse until the reload) or after it (stage
+    # 2 half-way: rank 0's settle_tier() raises, nothing to agree on). Stage 3 from the
+    # start fails in backward: rank 1's reduction times out naming rank 0 (as above).
+    register("tier_disk_full_one_rank_s2_0", tier_disk_full, stage=2, share=0.0,
+             one_rank=True)
+    register("tier_disk_full_one_rank_s3_50", tier_disk_full, stage=3, share=0.5,
+             one_rank=True)
+    if not QUICK:
+        register("tier_disk_full_one_rank_s2_50", tier_disk_full, stage=2, share=0.5,
+                 one_rank=True)
 for _stage in range(4):
     for _point in POINTS:
         if _wanted(_point == "optimizer_step_after" or (_stage == 3 and SIZE == 1)):
@@ -321,6 +414,11 @@ for _offload in ("cpu", "disk"):
         if _wanted(SIZE == 1):
             register(f"point_{_point}_s3_{_offload}", point_fault, stage=3, point=_point,
                      offload=_offload)
+for _stage in (1, 3):
+    if _wanted(_stage == 3):
+        register(f"checkpoint_write_s{_stage}", checkpoint_write, stage=_stage)
+        register(f"reload_before_first_step_s{_stage}", reload_before_first_step,
+                 stage=_stage)
 if os.environ.get("ZS_TMPFS"):
     register("real_tmpfs", real_tmpfs, folder=os.environ["ZS_TMPFS"])
 if SIZE > 1 and not NONE:  # last: each leaves a group of its own with collectives unmatched

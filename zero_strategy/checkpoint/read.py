@@ -451,8 +451,10 @@ def commit_load(engine: EngineView, staged: Staged, load_optimizer: bool) -> Non
             module[key].copy_(value)
     groups = manifest.get("param_groups")  # v1 checkpoints did not record them
     if load_optimizer:
-        if staged.records:  # else saved before the first step: nothing to restore
-            load_records(engine.optimizer, staged.records, staged.read)
+        # Saved before the first step (no records): every state goes, as in a new engine;
+        # keeping the trained moments resumed a step no run ever took (a batch-size
+        # finder's trials restored to the checkpoint saved before them).
+        load_records(engine.optimizer, staged.records, staged.read)
         if groups is not None:  # lr, initial_lr, ...: where the schedule had got to
             restore_hyperparameters(engine.user_optimizer, groups)
     state = manifest["engine"]

@@ -325,8 +325,12 @@ class Communicator:
         """The largest ``value`` over this group's ranks, agreed through the rendezvous store
         instead of the group: usable while the group holds operations some rank never
         matched (a pass cut short), behind which a collective would wait."""
+        return max(self.agree(value))
+
+    def agree(self, value: int) -> list[int]:
+        """Every rank's ``value``, by rank, through the rendezvous store (as ``agree_max``)."""
         if self.world_size == 1:
-            return value
+            return [value]
         self._agreements += 1
         store = dist.distributed_c10d._get_default_store()
         prefix = f"{self._store_prefix}/agree{self._agreements}"
@@ -336,7 +340,7 @@ class Communicator:
             store.wait(keys, timedelta(seconds=self.timeout_s or 600.0))
         except RuntimeError as e:
             raise self._error("agree (store)", e) from e
-        return max(int(store.get(k)) for k in keys)
+        return [int(store.get(k)) for k in keys]
 
     def split(self, group_size: int) -> tuple[Communicator, Communicator]:
         """Hybrid sharding: (this rank's shard group of ``group_size`` consecutive ranks, its

@@ -179,7 +179,15 @@ class ZeroEngine(EngineParts):
         """Give the module back as a plain ``nn.Module`` holding the trained weights (whole,
         in the dtypes it had, from the masters), with every hook and class swap removed.
         A collective: call it on every rank."""
+        self._forget_failed_pass()
         return state.close(self)
+
+    def _forget_failed_pass(self) -> None:
+        """A pass an exception cut short and nobody ``zero_grad()``-ed (a batch-size finder
+        caught it, then closes or reloads): its reductions are matched with the peers' and
+        this rank's failure report cleared before the collectives that follow."""
+        if self._reported and not self._closed:
+            self.zero_grad()
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: str | os.PathLike, *, tag: str | None = None,
@@ -200,6 +208,7 @@ class ZeroEngine(EngineParts):
         client state saved with it. Other systems' files are pickles, read with torch's
         weights_only unpickler unless ``trust_pickles=True`` (see ``checkpoint/pickles.py``)."""
         self.check_open("load_checkpoint")
+        self._forget_failed_pass()
         if self.tier is not None and self.tier.failed is not None:
             self.tier.recover()  # the files a failed write-back left are about to be replaced
         with record_function("zero::load_checkpoint"):

@@ -112,8 +112,7 @@ def step(parts: EngineParts) -> bool:
     """The optimizer step, or a skip on every rank (see ``ZeroEngine.step``)."""
     parts.check_trainable("step")
     _require_reduced_grads(parts, "step")
-    if parts.tier is not None and parts.tier.failed is not None:
-        raise parts.tier.failed  # a write-back of this pass: nothing updated yet (zero_grad)
+    _agree_before_update(parts)
     _refuse_stray_grads(parts)
     parts.runtime.settle()  # fp32 masters are views of compute copies a gather may write
     _unscale(parts)
@@ -140,32 +139,83 @@ def _update(parts: EngineParts) -> None:
     ``zero_grad()`` and go on. One after (an inner step of several, the disk tier's
     write-back of a unit stepped, the propagation to the compute copies) leaves some of it
     updated and the rest not: the engine refuses to train until a checkpoint is loaded,
-    rather than go on from a state no run ever had."""
+    rather than go on from a state no run ever had. With a disk tier the ranks agree on
+    that (``_agree_after_update``): one rank cut short leaves every rank refusing."""
     inner = [part.inner for part in getattr(parts.optimizer, "parts", [])]
     stepped: list[int] = []
     # The last pre-hook: once it ran, every other one passed and the update began (a post
     # hook could run after another that raised, past an update already made).
     hooks = [opt.register_step_pre_hook(lambda *_: stepped.append(1)) for opt in inner]
+    error: BaseException | None = None
+    reload: list[int] = []
     try:
-        try:
-            parts.optimizer.step()
-        finally:
-            for hook in hooks:
-                hook.remove()
-        if parts.tier is not None and parts.tier.failed is not None:
-            raise parts.tier.failed
+        parts.optimizer.step()
+    except BaseException as e:  # noqa: BLE001 - decided below, with the peers
+        error = e
+    finally:
+        for hook in hooks:
+            hook.remove()
+    try:
+        if error is None and parts.tier is not None and parts.tier.failed is not None:
+            error = parts.tier.failed
+        reload = _agree_after_update(parts, error, bool(stepped))
+        if error is not None:
+            raise error
+        if reload:
+            raise PeerCutShort(
+                f"rank(s) {reload} raised in the optimizer step at global step "
+                f"{parts.global_step} (their error says what) after this rank's update: the "
+                "ranks' shards are no longer one step's")
         parts.global_step += 1
         stepped.append(1)  # from here on the masters are the new step's
         zero_grad(parts)
         refresh_compute_copies(parts)
     except BaseException as e:
         _report(parts, "the optimizer step", e)
-        if not stepped and (parts.tier is None or parts.tier.failed is None):
+        if not (stepped or reload) and (parts.tier is None or parts.tier.failed is None):
             raise  # nothing was updated
         error = _refuse_until_reload(parts, e)
         if error is e:
             raise
         raise error from e
+
+
+class PeerCutShort(RuntimeError):
+    """Another rank's optimizer step was cut short (this rank's went through)."""
+
+
+def _agree_before_update(parts: EngineParts) -> None:
+    """Disk tier: a write-back of this pass failed on some rank (nothing is updated yet):
+    every rank raises, each can ``zero_grad()`` and go on. Alone, the rank would raise and
+    its peers go on into the step's collectives, and wait there for it."""
+    if parts.tier is None:  # every rank has one or none (agreed when the engine was built)
+        return
+    failed = parts.tier.failed
+    ranks = [r for r, v in enumerate(parts.comm.agree(int(failed is not None))) if v]
+    if failed is not None:
+        raise failed
+    if ranks:
+        raise PeerCutShort(
+            f"rank(s) {ranks} could not write back this pass's values to the disk tier "
+            "(their error names the directory and the bytes): nothing was updated on any "
+            "rank; engine.zero_grad() and go on")
+
+
+def _agree_after_update(parts: EngineParts, error: BaseException | None,
+                        began: bool) -> list[int]:
+    """Disk tier: whether the ranks' states are still one step's. Each says 0 (stepped),
+    1 (raised before updating anything) or 2 (cut short after an update, or a write-back
+    of the step failed). All 0: go on; all 1: each raises its own error, recoverable; any
+    other mix leaves some shards stepped and others not: every rank must refuse until a
+    reload (alone, the ranks that stepped would go on into collectives the others never
+    issue, or train on a state no run had). The ranks that raised, where all must refuse."""
+    if parts.tier is None:  # every rank has one or none (agreed when the engine was built)
+        return []
+    cut = error is not None and (began or parts.tier.failed is not None)
+    said = parts.comm.agree(0 if error is None else 2 if cut else 1)
+    if set(said) in ({0}, {1}):
+        return []
+    return [r for r, v in enumerate(said) if v]
 
 
 def _report(parts: EngineParts, phase: str, error: BaseException) -> None:
