@@ -92,15 +92,16 @@ def _generate_once(engine: zs.ZeroEngine, budget: int | None) -> dict:
     # None: no block of ours, only the one the engine wraps generate() in (its default
     # budget, this machine's free memory, holds this tiny model whole).
     outer = engine.generation(budget=budget) if budget is not None else contextlib.nullcontext()
-    with outer:
-        tokens = _generate(model, prompt, new, synced_gpus=True)
+    with outer:  # synced_gpus left to the engine: in step only while something streams
+        tokens = _generate(model, prompt, new)
     sent = engine.comm_bytes().get("all_gather", 0) - before
     handle.remove()
     held = engine.generation_mode.last_held
     sharded_after = _all_sharded(engine)
     model.train()
     return {"tokens_equal": torch.equal(tokens, _generate(reference, prompt, new)),
-            "forwards": len(forwards), "sent": sent, "sharded_after": sharded_after,
+            "forwards": len(forwards), "new": new, "sent": sent,
+            "sharded_after": sharded_after,
             "held_bytes": sum(gathered_bytes(u) for u in engine.units if u.name in held)}
 
 

@@ -70,6 +70,7 @@ class GenerationMode:
         self.budget = budget
         """This rank's budget in bytes (the config's, or what its memory has free)."""
         self._depth = 0
+        self._synced = False
         self.last_held: list[str] = []
         """Names of the units the last outermost block held (observability, tests)."""
 
@@ -82,14 +83,18 @@ class GenerationMode:
         return int(-self.world.all_reduce_max_to_host(flag)[0])
 
     @contextlib.contextmanager
-    def holding(self, budget: int | None = None) -> Iterator[None]:
+    def holding(self, budget: int | None = None) -> Iterator[bool]:
         """Hold what fits ``budget`` bytes (None: this mode's default) whole until the block
-        ends; a collective at entry (every rank enters together, as ``generate()`` does)."""
+        ends; a collective at entry (every rank enters together, as ``generate()`` does).
+
+        Yields whether the ranks must run their forwards in step (transformers'
+        ``synced_gpus``): only when some unit is streamed. With every unit held a forward
+        communicates nothing, so a rank whose request is done need not keep stepping."""
         units = [u for u in self.all_units if u.param_store.gathers]
         if not units or self._depth:
             self._depth += 1
             try:
-                yield
+                yield self._synced
             finally:
                 self._depth -= 1
             return
@@ -108,9 +113,11 @@ class GenerationMode:
                     self.runtime.hold(unit)
                     holds.append(unit)
             self.last_held = [u.name for u in held]
-            yield
+            self._synced = len(held) < len(units) and self.world.world_size > 1
+            yield self._synced
         finally:
             self._depth -= 1
+            self._synced = False
             for unit in holds:
                 self.runtime.unhold(unit)
             for unit in gathered:

@@ -77,7 +77,8 @@ class HookSet:
         self._grad_hooked.clear()
 
 
-GenerationContext = Callable[[], contextlib.AbstractContextManager[None]]
+GenerationContext = Callable[[], contextlib.AbstractContextManager[bool]]
+"""The engine's generation mode; it yields whether the ranks must step together."""
 
 
 class ModulePatches:
@@ -155,11 +156,20 @@ def _patched_class(cls: type, access: ParamAccess, watch: bool,
 
 def _generating(generate: Callable[..., Any], generation: GenerationContext) -> Callable[..., Any]:
     """``generate`` (transformers' ``GenerationMixin.generate``, PEFT's, a model's own) run
-    inside the engine's generation mode: each stage-3 unit gathered once for the call."""
+    inside the engine's generation mode: each stage-3 unit gathered once for the call.
+
+    Where ``generate`` takes ``synced_gpus`` (transformers') and the caller left it unset,
+    the mode decides it: True while some unit is streamed (every forward is a collective, so
+    a rank whose request is done keeps stepping with the others), False when all are held
+    (nothing is communicated; each rank stops at its own length). A value the caller passed
+    is kept."""
+    takes_synced = "synced_gpus" in inspect.signature(generate).parameters
 
     @functools.wraps(generate)
     def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with generation():
+        with generation() as synced:
+            if takes_synced and kwargs.get("synced_gpus") is None:
+                kwargs["synced_gpus"] = synced
             return generate(self, *args, **kwargs)
 
     return wrapped
