@@ -39,6 +39,10 @@ def test_training_after_generation_equals_training_without(world2: dict) -> None
         assert r["step_after_equal"], r
         # the units' padding is all that separates the formula's bytes from the model's
         assert r["param_bytes"] <= r["model_bytes"] <= 1.01 * r["param_bytes"], r
+        # the memory report states what holding takes and the default budget it has
+        report = r["report"]
+        assert report["generation_held_bytes"] == r["model_bytes"], report
+        assert 0 < report["generation_budget_bytes"] < report["free_bytes"], report
 
 
 def test_generation_block_is_reentrant_and_exception_safe(world2: dict) -> None:

@@ -76,6 +76,9 @@ def generate_budgets() -> dict:
     # parameters() names a tied weight once; placeholders have the whole shape
     out["param_bytes"] = sum(p.numel() * p.element_size() for p in engine.module.parameters())
     out.update(_nested_and_raising(engine))
+    report = engine.memory_report()
+    out["report"] = {k: report[k] for k in ("free_bytes", "generation_budget_bytes",
+                                            "generation_held_bytes")}
     return out
 
 
