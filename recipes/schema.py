@@ -64,6 +64,7 @@ ZERO_OPTIONS = (
     "offload_params", "offload_dir", "disk_staging_bytes", "broadcast_buffers", "nonfinite_grads",
     "elementwise_optimizer", "shard_group_size", "quantize_weights", "quantize_gradients",
     "loss_scale", "timeout", "activation_checkpointing", "offload_activations",
+    "generation_gather_budget",
 )
 """ZeroConfig's fields a recipe may set under ``strategy.zero`` (stage and precision have keys
 of their own). Listed here, not imported, so composing needs no torch; a test keeps the list

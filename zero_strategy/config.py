@@ -74,6 +74,7 @@ STAGE3_DEFAULTS: dict[str, Any] = {
     "prefetch": True,
     "unit_leaf_classes": (),
     "check_gather_order": True,
+    "generation_gather_budget": None,  # None at stage 3 too: what memory has free
 }
 
 
@@ -149,6 +150,18 @@ class ZeroConfig:
     and nccl may end the job (its watchdog, or ``timeout``) before the error is raised.
     "blocking": the host check on every device, for debugging such a job on a GPU (one host
     sync per gather). False: no check."""
+    generation_gather_budget: Annotated[int, Rule(minimum=0, text="a number of bytes >= 0")] \
+        | None = None
+    """Stage 3: inside a ``generate()`` call of the model (made automatic by the engine, so
+    Trainer's evaluation, ``Seq2SeqTrainer(predict_with_generate=True)`` and TRL's
+    ``unwrap_model_for_generation`` get it) or ``engine.generation()``, the units whose whole
+    compute copies fit this many bytes are gathered once and held for the call instead of
+    once per generated token; the rest are gathered per forward as in training (streamed,
+    with prefetch), which costs (N-1)/N of their bytes per token. The smallest budget over
+    the ranks decides. None (default): what this rank has free when the call starts (a GPU:
+    ``torch.cuda.mem_get_info`` plus the caching allocator's unused reserve; a CPU:
+    /proc/meminfo's MemAvailable or the cgroup's room, the smaller), less a quarter kept for
+    the generation's own activations and cache. 0: always streamed."""
     overlap_param_gather: bool = True
     """Stages 1-2 (and stage 3's persistent parameters): the all-gather of the updated
     parameters after ``step()`` runs in the background, and each bucket is waited for when

@@ -17,6 +17,7 @@ from tests.worlds.transformers_run import GENERATE_RANKS_NEW_TOKENS
 VARIANTS = ["z1", "z2", "z3off"]
 SCENARIOS = ["fit_ddp", *(f"fit_{v}" for v in VARIANTS), *(f"resume_{v}" for v in VARIANTS),
              "sft_ddp", "sft_z0", "sft_z3", "generate_ddp", "generate_z2", "generate_z3",
+             "generate_z3stream",
              "best_ddp", "best_z3", "precision", "streamed_ddp", "streamed_z3",
              "evaluated_ddp", "evaluated_z0", "evaluated_z3", "seq2seq_ddp", "seq2seq_z3",
              "schedules_ddp", "schedules_z3", "nodecay_ddp", "nodecay_z1", "nodecay_z3",
@@ -82,24 +83,31 @@ def test_optimizer_state_exists_only_for_the_adapter(runs: dict) -> None:
     assert z3["report"]["num_params"] > 10 * z3["trainable"]
 
 
-@pytest.mark.parametrize("mode", ["ddp", "z2", "z3"])
+@pytest.mark.parametrize("mode", ["ddp", "z2", "z3", "z3stream"])
 def test_generate_equals_the_unsharded_model(runs: dict, mode: str) -> None:
     result = C.ok(runs[f"generate_{mode}"])
     assert result["ranks_equal"] == result["world"], result
-    # Ranks ask for different lengths; with synced_gpus the shorter keeps stepping with the
-    # longer one, so rank 0 runs as many forwards as the longest request.
+    # Ranks ask for different lengths. Streaming (every forward a collective), the engine sets
+    # synced_gpus: the shorter keeps stepping with the longer one, so rank 0 runs as many
+    # forwards as the longest request. Holding the model, each rank stops at its own length.
     longest = max(GENERATE_RANKS_NEW_TOKENS[: result["world"]])
-    assert result["forwards"] == (longest if mode == "z3" else result["new_tokens"])
+    assert result["forwards"] == (longest if mode == "z3stream" else result["new_tokens"])
 
 
-def test_generate_gathers_each_parameter_once_per_forward(runs: dict) -> None:
-    """Per forward, an all-gather of every unit sends (N-1)/N of the model's bytes from each
-    rank (the flat units' padding adds under 1%)."""
-    result = C.ok(runs["generate_z3"])
+@pytest.mark.parametrize("mode", ["z3", "z3stream"])
+def test_generate_gathers_each_parameter_once_per_call_or_per_forward(runs: dict,
+                                                                      mode: str) -> None:
+    """An all-gather of every unit sends (N-1)/N of the model's bytes from each rank (the flat
+    units' padding and the gather-order tags add under 1%): once per generate() call when the
+    model fits the generation budget (the default, free memory), once per forward when it
+    does not (``generation_gather_budget=0``: streamed)."""
+    result = C.ok(runs[f"generate_{mode}"])
     n = result["world"]
-    per_forward = result["param_bytes"] * (n - 1) / n
+    per_gather = result["param_bytes"] * (n - 1) / n
+    gathers = 1 if mode == "z3" else result["forwards"]
     sent = result["comm"]["all_gather"]
-    assert per_forward * result["forwards"] <= sent <= 1.01 * per_forward * result["forwards"]
+    assert result["gathered_units"] >= 1, result
+    assert per_gather * gathers <= sent <= 1.01 * per_gather * gathers, result
 
 
 def test_best_model_checkpoint_rotation_plateau_schedule_and_callbacks(runs: dict) -> None:
@@ -151,6 +159,8 @@ def test_seq2seq_predict_with_generate_equals_plain_trainer(runs: dict) -> None:
     generated, gathered and padded by Trainer, equal plain Seq2SeqTrainer's under DDP."""
     ddp, z3 = C.ok(runs["seq2seq_ddp"]), C.ok(runs["seq2seq_z3"])
     assert torch.equal(torch.load(ddp["tokens"]), torch.load(z3["tokens"]))
+    # predict's generate() calls ran in the generation mode: every unit held for each call
+    assert z3["held"] == z3["units"] >= 1, z3
 
 
 def test_every_lr_scheduler_type_matches_plain_trainer(runs: dict) -> None:

@@ -35,6 +35,8 @@ MODES = {  # name: ZeroPlugin options, None for plain Trainer (DDP)
     "z3": {"stage": 3, "param_persistence_threshold": 0},
     "z3off": {"stage": 3, "param_persistence_threshold": 0, "offload_optimizer": True,
               "offload_params": True},
+    # No generation budget: generate() gathers every unit per forward (streamed).
+    "z3stream": {"stage": 3, "param_persistence_threshold": 0, "generation_gather_budget": 0},
 }
 GENERATE_RANKS_NEW_TOKENS = (3, 9)  # ranks stop at different lengths: synced_gpus must hold
 
@@ -369,7 +371,7 @@ for _mode in MODES:
 def _generate(mode: str, out: Path) -> dict[str, Any]:
     """After training, each rank generates greedily from its own prompt for its own number of
     tokens; the unsharded model (the consolidated weights in a plain copy, generating alone)
-    must produce the same tokens. Counts parameter gathers per forward at stage 3."""
+    must produce the same tokens. Counts the forwards and the all-gather bytes of the call."""
     trainer = trainer_for(mode, model=tiny_gpt2(), train_dataset=Tokens(), args=arguments(
         out / f"generate_{mode}", max_steps=2))
     trainer.train()
@@ -398,12 +400,14 @@ def _generate(mode: str, out: Path) -> dict[str, Any]:
     dist.all_reduce(equal)
     gathered = {k: after[k] - before.get(k, 0) for k in after}
     param_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
+    units = [u for u in engine.units if u.param_store.gathers] if engine is not None else []
     return {"ranks_equal": int(equal.item()), "world": dist.get_world_size(),
             "forwards": len(forwards), "new_tokens": new, "comm": gathered,
+            "gathered_units": len(units),
             "param_bytes": param_bytes, "tokens_per_s": new / seconds}
 
 
-for _mode in ("ddp", "z2", "z3"):
+for _mode in ("ddp", "z2", "z3", "z3stream"):
     SCENARIOS[f"generate_{_mode}"] = functools.partial(_generate, _mode)
 
 
@@ -422,9 +426,16 @@ def _predict_with_generate(mode: str, out: Path) -> dict[str, Any]:
         config.pad_token_id, config.eos_token_id = 0, 7
     trainer = trainer_for(mode, Seq2SeqTrainer, model=model, args=args, train_dataset=Tokens())
     trainer.train()
+    engine = getattr(trainer, "zero_engine", None)
+    before = engine.comm_bytes().get("all_gather", 0) if engine is not None else 0
     tokens = trainer.predict(Tokens(8, seq=6, seed=3)).predictions
     torch.save(torch.as_tensor(tokens), run / "tokens.pt")
-    return {"tokens": str(run / "tokens.pt")}
+    result: dict[str, Any] = {"tokens": str(run / "tokens.pt")}
+    if engine is not None:  # generate() went through the generation mode: units held
+        units = [u for u in engine.units if u.param_store.gathers]
+        result.update(held=len(engine.generation_mode.last_held), units=len(units),
+                      gathered=engine.comm_bytes()["all_gather"] - before)
+    return result
 
 
 SCENARIOS["seq2seq_ddp"] = functools.partial(_predict_with_generate, "ddp")

@@ -12,6 +12,10 @@ dicts through ``access.ParamAccess`` (as FSDP2's ``fully_shard`` swaps in ``FSDP
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
+import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -73,12 +77,19 @@ class HookSet:
         self._grad_hooked.clear()
 
 
-class ModulePatches:
-    """Swaps each module's class for a subclass that consults ``ParamAccess``."""
+GenerationContext = Callable[[], contextlib.AbstractContextManager[bool]]
+"""The engine's generation mode; it yields whether the ranks must step together."""
 
-    def __init__(self, access: ParamAccess, watch: bool) -> None:
+
+class ModulePatches:
+    """Swaps each module's class for a subclass that consults ``ParamAccess``; with
+    ``generation`` (stage 3), a class's ``generate`` method runs inside that context."""
+
+    def __init__(self, access: ParamAccess, watch: bool,
+                 generation: GenerationContext | None = None) -> None:
         self.access = access
         self.watch = watch
+        self.generation = generation
         self._classes: dict[type, type] = {}
         self._swapped: list[tuple[torch.nn.Module, type]] = []
 
@@ -86,7 +97,8 @@ class ModulePatches:
         for module in model.modules():
             original = type(module)
             if original not in self._classes:
-                self._classes[original] = _patched_class(original, self.access, self.watch)
+                self._classes[original] = _patched_class(original, self.access, self.watch,
+                                                         self.generation)
             module.__class__ = self._classes[original]
             self._swapped.append((module, original))
 
@@ -96,7 +108,8 @@ class ModulePatches:
         self._swapped.clear()
 
 
-def _patched_class(cls: type, access: ParamAccess, watch: bool) -> type:
+def _patched_class(cls: type, access: ParamAccess, watch: bool,
+                   generation: GenerationContext | None) -> type:
     def _apply(self: Any, fn: Any, recurse: bool = True) -> Any:
         access.check_apply(self, fn)
         return super(patched, self)._apply(fn, recurse)
@@ -133,8 +146,33 @@ def _patched_class(cls: type, access: ParamAccess, watch: bool) -> type:
     if watch:  # parameters that may be gathering: stage 3, or stages 1-2 after a step
         body["__getattr__"] = __getattr__
         body["named_parameters"] = named_parameters
+    # A plain method only: a static or class method called ``generate`` is not a model's.
+    original_generate = inspect.getattr_static(cls, "generate", None)
+    if generation is not None and isinstance(original_generate, types.FunctionType):
+        body["generate"] = _generating(original_generate, generation)
     patched = type(cls.__name__, (cls,), body)
     return patched
+
+
+def _generating(generate: Callable[..., Any], generation: GenerationContext) -> Callable[..., Any]:
+    """``generate`` (transformers' ``GenerationMixin.generate``, PEFT's, a model's own) run
+    inside the engine's generation mode: each stage-3 unit gathered once for the call.
+
+    Where ``generate`` takes ``synced_gpus`` (transformers') and the caller left it unset,
+    the mode decides it: True while some unit is streamed (every forward is a collective, so
+    a rank whose request is done keeps stepping with the others), False when all are held
+    (nothing is communicated; each rank stops at its own length). A value the caller passed
+    is kept."""
+    takes_synced = "synced_gpus" in inspect.signature(generate).parameters
+
+    @functools.wraps(generate)
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with generation() as synced:
+            if takes_synced and kwargs.get("synced_gpus") is None:
+                kwargs["synced_gpus"] = synced
+            return generate(self, *args, **kwargs)
+
+    return wrapped
 
 
 def _grad_hook(runtime: Runtime, unit: Unit, index: int) -> Callable[[torch.Tensor], None]:

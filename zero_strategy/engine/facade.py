@@ -133,6 +133,19 @@ class ZeroEngine(EngineParts):
         self.check_open("gathered_parameters")
         return self.access.gathered(target, writable, modifier_rank)
 
+    def generation(self, budget: int | None = None) -> contextlib.AbstractContextManager[None]:
+        """Generation at stage 3 (a collective: enter it on every rank): inside the block each
+        unit that fits ``budget`` bytes (default ``ZeroConfig.generation_gather_budget``, or
+        what memory has free) is gathered once and held whole, so the forwards of
+        ``generate()`` gather only the rest (streamed, per forward); on exit everything it
+        gathered is freed, gradients and optimizer state untouched. The model's own
+        ``generate()`` runs inside it already; a block inside another is part of it. At
+        stages 0-2 (parameters whole) it does nothing. ``budget=0``: stream every unit."""
+        self.check_open("generation")
+        if self.generation_mode is None:
+            return contextlib.nullcontext()
+        return self.generation_mode.holding(budget)
+
     # ------------------------------------------------------------------ state
     @property
     def user_optimizers(self) -> list[torch.optim.Optimizer]:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from ..core.access import ParamAccess
     from ..core.activations import Activations
     from ..core.buffers import BufferPool
+    from ..core.generation import GenerationMode
     from ..core.hooks import HookSet, ModulePatches
     from ..core.params import Placement
     from ..core.plan import ZeroPlan
@@ -61,6 +62,8 @@ class EngineParts:
     hooks: HookSet
     access: ParamAccess
     patches: ModulePatches
+    generation_mode: GenerationMode | None
+    """Stage 3: holds units for a ``generate()`` call (None where nothing is gathered)."""
     scaler: LossScaler | None
     param_names: dict[int, str]
     """A managed parameter's name, by ``id`` of the parameter."""

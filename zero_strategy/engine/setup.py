@@ -20,6 +20,7 @@ from ..core.access import ParamAccess
 from ..core.activations import Activations
 from ..core.buffers import BufferPool
 from ..core.devices import canonical_device
+from ..core.generation import GenerationMode
 from ..core.hooks import HookSet, ModulePatches
 from ..core.materialize import InitFn, Materializer, has_meta
 from ..core.params import Placement
@@ -27,6 +28,7 @@ from ..core.plan import make_plan
 from ..core.precision import LossScaler
 from ..core.runtime import Runtime
 from ..core.units import NamedParams, build_units
+from ..memory.free import generation_budget
 from ..offload.transfers import Transfers
 from ..optim.combined import CombinedOptimizer
 from ..optim.combined import parts as optimizer_parts
@@ -147,9 +149,25 @@ def _install(parts: EngineParts, model: nn.Module) -> None:
     parts.hooks.install(parts.units, parts.runtime)
     parts.access = ParamAccess(parts.units, parts.runtime, parts.shards, parts.param_names,
                                plan.overlap_param_gather, world=parts.comm)
-    parts.patches = ModulePatches(parts.access, watch=bool(parts.access.watched))
+    parts.generation_mode = _generation_mode(parts)
+    parts.patches = ModulePatches(parts.access, watch=bool(parts.access.watched),
+                                  generation=parts.generation_mode.holding
+                                  if parts.generation_mode is not None else None)
     parts.patches.install(model)
     parts.optimizer_patches = state.patch_user_optimizers(parts)
+
+
+def _generation_mode(parts: EngineParts) -> GenerationMode | None:
+    """Stage 3's generation mode (None where no unit gathers: nothing to hold)."""
+    if not any(u.param_store.gathers for u in parts.units):
+        return None
+    configured = parts.config.generation_gather_budget
+    device = parts.device
+
+    def budget() -> int:
+        return generation_budget(device) if configured is None else configured
+
+    return GenerationMode(parts.units, parts.runtime, parts.comm, budget)
 
 
 def _prepare_unmanaged(parts: EngineParts, managed_ids: set[int]) -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..core.generation import gathered_bytes
 from ..optim.owner import OwnerPart
+from .free import free_bytes, generation_budget
 from .states import MemoryEstimate, estimate_memory, storage_bytes
 
 if TYPE_CHECKING:
@@ -54,6 +56,21 @@ def report(engine: EngineView) -> dict[str, Any]:
         "activation_bytes": activations.saved_bytes,
         "offloaded_activation_bytes": activations.offloaded_bytes,
         "checkpointed_modules": len(activations.modules),
+        **_generation(engine),
+    }
+
+
+def _generation(engine: EngineView) -> dict[str, int | None]:
+    """Stage-3 generation: what this rank has free now, the budget a ``generate()`` call
+    would get from it (or from the config), and what holding every unit takes."""
+    device = engine.comm.device
+    configured = engine.config.generation_gather_budget
+    gathering = [u for u in engine.units if u.param_store.gathers]
+    return {
+        "free_bytes": free_bytes(device),
+        "generation_budget_bytes": (None if not gathering else configured
+                                    if configured is not None else generation_budget(device)),
+        "generation_held_bytes": sum(gathered_bytes(u) for u in gathering),
     }
 
 

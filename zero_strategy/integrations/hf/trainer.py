@@ -19,8 +19,11 @@ logging, evaluation, callbacks and data handling to ``Trainer``:
   ``trainer_state.json``; ``resume_from_checkpoint`` reads the sharded copy, on any world size;
 - ``save_model()`` consolidates on every rank (a collective) and rank 0 writes what
   ``save_pretrained`` writes (for a PEFT model, the adapter only);
-- at stage 3 with several processes, ``generate()`` keeps the ranks in step
-  (transformers' ``synced_gpus``), since every forward gathers parameters from all ranks.
+- at stage 3, ``generate()`` (Trainer's evaluation, ``Seq2SeqTrainer``'s
+  ``predict_with_generate``, TRL's ``unwrap_model_for_generation``) runs in the engine's
+  generation mode: each unit gathered once per call and held while it fits
+  ``generation_gather_budget``, else gathered per forward with the ranks kept in step
+  (transformers' ``synced_gpus``, which the model's FSDP flag below also asks for).
 """
 
 from __future__ import annotations
