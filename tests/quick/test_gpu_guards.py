@@ -48,6 +48,7 @@ def _comm_on(device: str, world_size: int = 2) -> Communicator:
     comm.group, comm.rank, comm.world_size = None, 0, world_size
     comm.backend, comm.device, comm.timeout_s = "nccl", torch.device(device), None
     comm._wait_timeout, comm._host_timeout, comm._step = None, None, None
+    comm._gloo = False  # nccl: no worker-thread collective is kept for exit (_KEPT_WORKS)
     comm.bytes_sent, comm.calls = Counter(), Counter()
     return comm
 
