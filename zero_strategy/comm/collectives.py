@@ -86,6 +86,12 @@ except AttributeError:  # an interpreter without the C API: nothing kept beyond 
     pass
 
 
+def _store() -> Any:
+    """The default group's rendezvous store: agreements and failure reports go through it,
+    because it still answers while a group holds operations some rank never matched."""
+    return dist.distributed_c10d._get_default_store()
+
+
 def group_is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -297,24 +303,23 @@ class Communicator:
         """Leave this rank's error where its peers' timeouts look (the rendezvous store): a
         rank whose step raised stops issuing collectives, and a peer waiting for one of them
         should say which rank failed and why, not only that one stopped responding."""
-        if self.world_size == 1:
-            return
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"{self._store_prefix}/failed/{self.rank}", message[:500])
+        if self.world_size > 1:
+            _store().set(self._failure_key(self.rank), message[:500])
 
     def clear_failure(self) -> None:
         """The failed pass is over on this rank (``zero_grad()``): its report goes."""
         if self.world_size > 1:
-            dist.distributed_c10d._get_default_store().delete_key(
-                f"{self._store_prefix}/failed/{self.rank}")
+            _store().delete_key(self._failure_key(self.rank))
+
+    def _failure_key(self, rank: int) -> str:
+        return f"{self._store_prefix}/failed/{rank}"
 
     def _reported_failures(self) -> str:
         if self.world_size == 1:
             return ""
         try:
-            store = dist.distributed_c10d._get_default_store()
-            keys = {r: f"{self._store_prefix}/failed/{r}" for r in range(self.world_size)
-                    if r != self.rank}
+            store = _store()
+            keys = {r: self._failure_key(r) for r in range(self.world_size) if r != self.rank}
             found = [f"rank {r} failed: {store.get(k).decode(errors='replace')}"
                      for r, k in keys.items() if store.check([k])]
         except RuntimeError:  # the store itself is gone: nothing more to say
@@ -332,7 +337,7 @@ class Communicator:
         if self.world_size == 1:
             return [value]
         self._agreements += 1
-        store = dist.distributed_c10d._get_default_store()
+        store = _store()
         prefix = f"{self._store_prefix}/agree{self._agreements}"
         store.set(f"{prefix}/{self.rank}", str(value))
         keys = [f"{prefix}/{r}" for r in range(self.world_size)]

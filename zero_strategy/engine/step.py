@@ -141,7 +141,7 @@ def _update(parts: EngineParts) -> None:
     updated and the rest not: the engine refuses to train until a checkpoint is loaded,
     rather than go on from a state no run ever had. With a disk tier the ranks agree on
     that (``_agree_after_update``): one rank cut short leaves every rank refusing."""
-    inner = [part.inner for part in getattr(parts.optimizer, "parts", [])]
+    inner = [part.inner for part in parts.optimizer.parts]
     stepped: list[int] = []
     # The last pre-hook: once it ran, every other one passed and the update began (a post
     # hook could run after another that raised, past an update already made).
