@@ -28,6 +28,7 @@ from ...checkpoint.verify import member
 from ...comm import collectives
 from ...engine import ZeroEngine
 from ..step_turns import StepTurns
+from .frozen import ZeroFrozenModel, build_frozen
 from .plugin import ZeroPlugin
 from .state import (
     CHECKPOINT_SUBDIR,
@@ -153,6 +154,7 @@ class ZeroAccelerator(Accelerator):
         self._zero_model: ZeroModel | None = None
         self._zero_optimizers: list[ZeroOptimizer] = []
         self._zero_turns: StepTurns | None = None
+        self._zero_frozen: list[ZeroFrozenModel] = []
         _ensure_process_group(self.device, self.num_processes)
 
     @property
@@ -193,6 +195,41 @@ class ZeroAccelerator(Accelerator):
             for i, obj in zip(rest, prepared):
                 results[i] = obj
         return tuple(results) if len(results) > 1 else results[0]
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> nn.Module:
+        """Accelerate's, but at stage 3 a model prepared for evaluation only (a reference,
+        reward or teacher model beside the trained one: TRL's trainers ask for it so) is
+        sharded by a frozen engine of its own (``frozen.py``): 1/N of its weights per rank,
+        no gradients, no optimizer state. At stages 0-2 it stays whole on every rank, as the
+        trained model's parameters do."""
+        zero = self._zero_model
+        if zero is not None and (model is zero or model is zero.module):
+            return zero
+        if isinstance(model, ZeroFrozenModel) or (
+                evaluation_mode and self.zero_config.stage == 3 and not self._trains(model)):
+            return self._prepare_frozen(model, device_placement)
+        return super().prepare_model(model, device_placement, evaluation_mode)
+
+    def _trains(self, model: nn.Module) -> bool:
+        """Whether ``model`` is (or will be) the one prepared with its optimizer; a training
+        loop that knows its model before ``prepare`` (Trainer) says so here."""
+        return False
+
+    def _prepare_frozen(self, model: nn.Module, device_placement: bool | None) -> nn.Module:
+        if isinstance(model, ZeroFrozenModel):
+            if all(m is not model for m in self._zero_frozen):
+                raise ValueError("this frozen ZeRO model was prepared by another accelerator")
+            return model
+        if isinstance(model, ZeroModel):
+            raise ValueError("prepare_model(evaluation_mode=True) got a model another "
+                             "ZeroAccelerator trains; pass an unwrapped model")
+        placement = self.device_placement if device_placement is None else device_placement
+        frozen = build_frozen(model, self.zero_config, len(self._zero_frozen),
+                              self.device if placement else None)
+        self._zero_frozen.append(frozen)
+        self._models.append(frozen)
+        return frozen
 
     def _prepared_again(self, args: tuple[Any, ...]) -> Any:
         """The objects ``prepare`` already returned, when it is given the ZeRO model (or its
@@ -317,7 +354,7 @@ class ZeroAccelerator(Accelerator):
     # ------------------------------------------------------------------ weights
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
                      keep_torch_compile: bool = True) -> nn.Module:
-        if isinstance(model, ZeroModel):
+        if isinstance(model, (ZeroModel, ZeroFrozenModel)):
             return model.module
         return super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
 
@@ -327,6 +364,9 @@ class ZeroAccelerator(Accelerator):
         zero = self._zero_model
         if zero is not None and (model is zero or model is zero.module):
             return self.engine.full_state_dict()
+        for frozen in self._zero_frozen:
+            if model is frozen or model is frozen.module:
+                return frozen.engine.full_state_dict()
         return super().get_state_dict(model, unwrap)
 
     # ------------------------------------------------------------------ checkpoints
@@ -435,6 +475,9 @@ class ZeroAccelerator(Accelerator):
         if self._zero_model is not None:
             self.engine.close()
             self._zero_model, self._zero_optimizers, self._zero_turns = None, [], None
+        for frozen in self._zero_frozen:
+            frozen.engine.close()
+        self._zero_frozen = []
         return super().free_memory(*objects)
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -69,14 +70,24 @@ class _TrainerAccelerator(ZeroAccelerator):
     """``ZeroAccelerator`` as ``Trainer`` drives it: Trainer frees the accelerator's objects at
     the start of every ``train()`` and prepares the model and optimizer again; the engine (the
     sharded weights and optimizer state) must survive that, so ``free_memory()`` keeps it and
-    ``prepare`` hands the same wrappers back."""
+    ``prepare`` hands the same wrappers back. Frozen models prepared for evaluation beside it
+    (TRL's reference and reward models) are kept the same way; Trainer's own model is never
+    one of them, even when Trainer prepares it for an evaluation before ``train()``."""
+
+    trainer: Any = None
+    """The Trainer building this accelerator (a weak reference, set once it exists)."""
+
+    def _trains(self, model: nn.Module) -> bool:
+        trainer = self.trainer() if self.trainer is not None else None
+        return trainer is not None and model is trainer.model
 
     def free_memory(self, *objects: Any) -> Any:
-        if objects or self._zero_model is None:
+        if objects or (self._zero_model is None and not self._zero_frozen):
             return super().free_memory(*objects)
         # Accelerate's private lists of what it prepared, by the names compat.py pins
         models, optimizers = compat.ACCELERATOR_MODELS.name, compat.ACCELERATOR_OPTIMIZERS.name
-        kept_models = [m for m in getattr(self, models) if m is self._zero_model]
+        kept_models = [m for m in getattr(self, models)
+                       if m is self._zero_model or any(m is f for f in self._zero_frozen)]
         kept_optimizers = [o for o in getattr(self, optimizers)
                            if any(o is z for z in self._zero_optimizers)]
         setattr(self, compat.ACCELERATOR_SCHEDULERS.name, [])
@@ -102,6 +113,8 @@ class ZeroTrainerMixin:
         build = functools.partial(_TrainerAccelerator, zero_plugin=self.zero_plugin)
         with _trainer_builds(build):
             super().create_accelerator_and_postprocess()
+        self.accelerator.trainer = weakref.ref(self)
+        _refuse_ref_model_sync(self.args, self.accelerator.zero_config)
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         """Not at construction: ``ZeroAccelerator.prepare`` puts the model on the device when
@@ -259,6 +272,18 @@ def _refuse_unsupported(args: Any) -> None:
         raise ValueError("TrainingArguments(save_only_model=True) is not supported by a ZeRO "
                          "Trainer: a checkpoint without the sharded optimizer cannot be "
                          "resumed; leave save_only_model unset")
+
+
+def _refuse_ref_model_sync(args: Any, config: Any) -> None:
+    """TRL's ``sync_ref_model`` mixes the policy's parameters into the reference model's in
+    place, through ``.data``: at stage 3 both hold only placeholders there (their shards live
+    in the engines), so it would write into freed storage."""
+    if getattr(args, "sync_ref_model", False) and config.stage == 3:
+        raise ValueError(
+            f"{type(args).__name__}(sync_ref_model=True) is not supported at ZeRO stage 3: "
+            "TRL updates the reference model's parameters in place, and both models' "
+            "parameters are sharded; leave sync_ref_model unset, or use stage 2 (the "
+            "reference model is then a whole copy on every rank)")
 
 
 def _check_precision(args: Any, plugin: ZeroPlugin) -> None:

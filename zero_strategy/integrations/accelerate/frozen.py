@@ -1,0 +1,95 @@
+"""Models prepared for evaluation only beside the trained one (``accelerator.prepare_model(
+model, evaluation_mode=True)``): TRL's reference models, reward models and teachers.
+
+At stage 3 such a model is sharded like the trained one, by an engine of its own that never
+steps: every parameter frozen (``requires_grad=False``), held by a placeholder optimizer
+(SGD at lr 0, which keeps no state) only because the engine shards what an optimizer holds,
+so each rank keeps 1/N of the weights, no gradient and no optimizer state. Its forward runs
+under ``torch.no_grad()`` and gathers unit by unit as the trained model's does; its
+``generate()`` runs in the engine's generation mode. This is what TRL's ``prepare_deepspeed``
+does under DeepSpeed (a ZeRO-3 engine without optimizer for the reference model at stage 3,
+a plain replica at stages 1-2), and stages 0-2 here leave the model to Accelerate (whole on
+every rank, as the trained model's parameters are).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+from accelerate.utils import convert_to_fp32
+from torch import nn
+
+from ...config import ZeroConfig
+from ...engine import ZeroEngine
+
+
+class ZeroFrozenModel(nn.Module):
+    """What ``prepare_model(model, evaluation_mode=True)`` returns at stage 3: calls go through
+    a frozen engine, under ``torch.no_grad()``. Attributes it lacks (``config``, ``generate``,
+    ``get_output_embeddings``) are the model's, as a DeepSpeed engine forwards them."""
+
+    def __init__(self, engine: ZeroEngine) -> None:
+        super().__init__()
+        self.module = engine.module
+        self.engine = engine  # not an nn.Module: a plain attribute
+        self._fp32_outputs = engine.config.precision.endswith("-mixed")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # Nothing is trained through it: no graph is kept, and the engine's runtime goes back
+        # to idle after the forward instead of waiting for a backward.
+        with torch.no_grad():
+            output = self.engine(*args, **kwargs)
+        return convert_to_fp32(output) if self._fp32_outputs else output
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in ("module", "engine"):
+                raise
+            return getattr(self.module, name)
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
+                   keep_vars: bool = False) -> dict[str, torch.Tensor]:
+        """Consolidated weights (a collective: every rank must call it), ``module.`` keys."""
+        full = self.engine.full_state_dict()
+        return {f"{prefix}module.{key}": value for key, value in full.items()}
+
+
+def frozen_config(config: ZeroConfig, index: int) -> ZeroConfig:
+    """The trained model's options for a frozen one: stage 3 as given, less what only
+    training uses. No optimizer states exist, so the master shard is not offloaded (unless
+    the parameters rest on disk, which needs the disk tier of both); a disk tier gets a
+    directory of its own (each engine locks its directory); no activation checkpointing
+    (nothing is kept for a backward)."""
+    disk = config.offload_params == "disk"
+    offload_dir = config.offload_dir
+    if disk and offload_dir is not None:
+        offload_dir = os.path.join(offload_dir, f"frozen{index}")
+    return dataclasses.replace(
+        config, offload_optimizer=config.offload_optimizer if disk else False,
+        offload_dir=offload_dir, activation_checkpointing=False, offload_activations=False)
+
+
+def build_frozen(model: nn.Module, config: ZeroConfig, index: int,
+                 device: torch.device | None) -> ZeroFrozenModel:
+    """``model`` frozen, in eval mode, sharded by an engine of its own (see the module)."""
+    if not any(True for _ in model.parameters()):
+        raise ValueError(f"prepare_model(evaluation_mode=True) got a {type(model).__name__} "
+                         "without parameters: nothing to shard")
+    model.requires_grad_(False)
+    model.eval()
+    placeholder = torch.optim.SGD(model.parameters(), lr=0.0)
+    on_meta = any(p.is_meta for p in model.parameters())
+    if device is not None and not on_meta:
+        model.to(device)
+    engine = ZeroEngine(model, placeholder, frozen_config(config, index))
+    wrapper = ZeroFrozenModel(engine)
+    wrapper._is_accelerate_prepared = True
+    return wrapper
+
+
+__all__ = ["ZeroFrozenModel", "build_frozen", "frozen_config"]
