@@ -13,10 +13,11 @@ stage-3 generation consumes it as plain ``generate()`` does (``generation_rng`` 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +130,7 @@ def _finish(trainer: Any, run: Path, keys: tuple[str, ...]) -> dict[str, Any]:
 def _grpo(mode: str, out: Path, lora: bool = False, beta: float = 0.1) -> dict[str, Any]:
     from trl import GRPOConfig, GRPOTrainer
 
-    run = out / f"grpo_{mode}_{int(lora)}"
+    run = out / f"grpo_{'lora_' if lora else ''}{mode}"
     args = GRPOConfig(**_common(run), num_generations=4, max_completion_length=6, beta=beta,
                       temperature=1.0, disable_dropout=True)
     extra: dict[str, Any] = {}
@@ -139,25 +140,49 @@ def _grpo(mode: str, out: Path, lora: bool = False, beta: float = 0.1) -> dict[s
         extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                           target_modules=["c_attn", "c_proj"],
                                           fan_in_fan_out=True)
-    trainer = _trainer(mode, GRPOTrainer, model=str(_folder(out)), reward_funcs=reward_distinct,
-                       args=args, train_dataset=prompts(), processing_class=T.word_tokenizer(),
-                       **extra)
-    trainer.train()
+    folder = _folder(out)
+    with _counting_models() as built:
+        trainer = _trainer(mode, GRPOTrainer, model=str(folder), reward_funcs=reward_distinct,
+                           args=args, train_dataset=prompts(),
+                           processing_class=T.word_tokenizer(), **extra)
+        trainer.train()
     result = _finish(trainer, run, ("reward", "kl", "completions/mean_length"))
+    result["models"] = len(built)
     if lora:
-        result["models"] = _model_copies(trainer)
-        result["adapter_only"] = all("lora_" in k for k in _saved_keys(run / "final"))
+        result.update(_lora_facts(trainer, run / "final"))
     return result
 
 
-def _model_copies(trainer: Any) -> int:
-    """GPT-2 models reachable from the trainer (the PEFT policy's base counts once): with
-    LoRA, TRL's reference is the base with the adapter disabled, not a second model."""
-    from transformers import PreTrainedModel
+@contextlib.contextmanager
+def _counting_models() -> Iterator[list[int]]:
+    """The GPT-2 models built inside the block (policy, reference), by their constructor."""
+    from transformers import GPT2LMHeadModel
 
-    seen = {id(m) for m in (getattr(trainer, "ref_model", None), trainer.model) if m is not None}
-    bases = {id(m) for m in trainer.model.modules() if isinstance(m, PreTrainedModel)}
-    return len({i for i in seen if i not in bases} | ({1} if bases else set()))
+    built: list[int] = []
+    original = GPT2LMHeadModel.__init__
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
+        built.append(id(self))
+        original(self, *args, **kwargs)
+
+    GPT2LMHeadModel.__init__ = counted
+    try:
+        yield built
+    finally:
+        GPT2LMHeadModel.__init__ = original
+
+
+def _lora_facts(trainer: Any, saved: Path) -> dict[str, Any]:
+    """With LoRA, only the adapter is saved, and at stage 3 the policy (frozen base included)
+    is held 1/N per rank."""
+    dist.barrier()  # rank 0 wrote the adapter
+    engine = getattr(trainer, "zero_engine", None)
+    held = engine.memory_report()["params_bytes"] if engine is not None else 0
+    total = torch.tensor([held])
+    dist.all_reduce(total)
+    return {"adapter_only": all("lora_" in k for k in _saved_keys(saved)),
+            "policy_bytes_rank": held, "policy_bytes_sum": int(total.item()),
+            "policy_numel": engine.num_params if engine is not None else None}
 
 
 def _saved_keys(folder: Path) -> list[str]:
@@ -187,6 +212,22 @@ def _rloo(mode: str, out: Path) -> dict[str, Any]:
     return _finish(trainer, run, ("reward", "kl"))
 
 
+def _sync_refused(mode: str, out: Path) -> dict[str, Any]:
+    """TRL's sync_ref_model writes the reference's parameters in place: refused at stage 3."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(**_common(out / "sync"), num_generations=4, max_completion_length=6,
+                      beta=0.1, sync_ref_model=True)
+    try:
+        _trainer(mode, GRPOTrainer, model=str(_folder(out)), reward_funcs=reward_distinct,
+                 args=args, train_dataset=prompts(), processing_class=T.word_tokenizer())
+    except ValueError as err:
+        return {"refused": str(err)}
+    return {"refused": None}
+
+
+SCENARIOS["grpo_sync_z3"] = functools.partial(_sync_refused, "z3")
+
 for _mode in ("ddp", "z3"):
     SCENARIOS[f"rloo_{_mode}"] = functools.partial(_rloo, _mode)
 
@@ -202,7 +243,8 @@ def _online_dpo(mode: str, out: Path) -> dict[str, Any]:
     trainer = _trainer(mode, OnlineDPOTrainer, model=model, reward_funcs=reward_distinct,
                        args=args, train_dataset=prompts(), processing_class=T.word_tokenizer())
     trainer.train()
-    return _finish(trainer, run, ("objective/kl", "rewards/margins", "logps/chosen"))
+    return _finish(trainer, run, ("objective/kl", "rewards/margins", "objective/scores",
+                                         "val/contain_eos_token"))
 
 
 for _mode in ("ddp", "z2", "z3"):

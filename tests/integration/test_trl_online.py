@@ -1,0 +1,148 @@
+"""TRL's online trainers under ``with_zero``: GRPO (stages 2 and 3, CPU offload, streamed
+generation with ``synced_gpus``, LoRA), RLOO and online DPO (``trl.experimental``) against
+the same trainer under plain Trainer (DDP), two CPU processes, fp32, one torchrun launch
+(tests/worlds/trl_online_run.py). Rewards are a python function: no reward model download.
+
+Tolerance. Both runs draw the same samples (checked exactly: rewards, completion lengths and
+the final state of the global torch generator are equal), so what differs is only the order
+of a few fp32 sums (gradient buckets, the clipping norm from per-shard sums, stage 3's
+gathered flat weights feeding the same matmuls): a few ulps (~1e-7 relative) per step that 3
+AdamW steps grow to ~1e-6 at worst, so ``trainer_checks.RTOL`` (1e-5) holds with margin, as
+for plain Trainer. Two quantities are differences of nearly equal numbers and are compared
+on the scale of what is subtracted instead:
+- the policy losses: a mean of advantage-weighted ratios whose advantages are normalised to
+  unit scale, which cancels to ~1e-8 (RLOO's is pure rounding noise around 0); compared with
+  RTOL against a scale of at least 1, the size of the terms summed;
+- the KL terms: exp(d) - d - 1 for d the difference of log-probabilities of size ~4, whose
+  ulp is ~5e-7; an error e in d moves the KL by ~|d| e, far below 1e-6, the absolute slack
+  used. Online DPO's ``rewards/margins`` is beta (0.1) times such differences of summed
+  log-probabilities of size ~25 (ulp ~2e-6): a few ulps times beta stay under the same slack.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support import trainer_checks as C
+
+SCRIPT = Path(__file__).resolve().parents[1] / "worlds" / "trl_online_run.py"
+GRPO_MODES = ["z2", "z3", "z3off", "z3stream"]
+SCENARIOS = ["grpo_ddp", *(f"grpo_{m}" for m in GRPO_MODES), "grpo_lora_ddp", "grpo_lora_z3",
+             "grpo_sync_z3", "rloo_ddp", "rloo_z3", "odpo_ddp", "odpo_z2", "odpo_z3"]
+# same samples: the same python rewards and completion lengths, exactly
+EXACT = ("reward", "completions/mean_length", "objective/scores", "val/contain_eos_token")
+KL = ("kl", "objective/kl", "rewards/margins")
+KL_SLACK = 1e-6
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return C.launch(tmp_path_factory.mktemp("trl_online"), SCENARIOS, script=SCRIPT)
+
+
+def _assert_parity(ddp: dict, zero: dict, name: str, weights: bool = True) -> None:
+    ddp, zero = C.ok(ddp), C.ok(zero)
+    assert zero["rng"] == ddp["rng"], f"{name}: generation consumed the RNG differently"
+    C.assert_close_lists(ddp["grad_norm"], zero["grad_norm"], f"{name} grad_norm")
+    for i, (x, y) in enumerate(zip(ddp["loss"], zero["loss"], strict=True)):
+        assert abs(x - y) <= C.RTOL * max(abs(x), abs(y), 1.0), f"{name} loss[{i}]: {x} vs {y}"
+    for key in EXACT:
+        if key in ddp:
+            assert ddp[key] == zero[key], f"{name} {key}: {ddp[key]} vs {zero[key]}"
+    for key in KL:
+        if key in ddp:
+            for i, (x, y) in enumerate(zip(ddp[key], zero[key], strict=True)):
+                assert abs(x - y) <= C.RTOL * max(abs(x), abs(y)) + KL_SLACK, (name, key, i)
+    if weights:
+        diff = C.max_rel_diff(C.weights(ddp["final"]), C.weights(zero["final"]))
+        assert diff <= C.RTOL, f"{name}: final weights differ from DDP's by {diff:.2e}"
+
+
+@pytest.mark.parametrize("mode", GRPO_MODES)
+def test_grpo_with_reference_model_matches_ddp(runs: dict, mode: str) -> None:
+    _assert_parity(runs["grpo_ddp"], runs[f"grpo_{mode}"], f"grpo {mode}")
+    assert max(runs["grpo_ddp"]["kl"]) > 0  # the reference model did take part
+    assert runs[f"grpo_{mode}"]["models"] == 2  # the policy and TRL's reference
+
+
+def _assert_reference_sharded(result: dict) -> None:
+    """At stage 3 the reference model is a frozen engine holding 1/N of the weights per rank
+    (the tiny model's flat units need no padding at N=2), with no gradient, no optimizer
+    state and nothing trainable; under DDP each rank holds the whole model."""
+    result = C.ok(result)
+    assert result["ref"] == "ZeroFrozenModel", result
+    assert result["ref_bytes_rank"] * result["world"] == result["model_bytes"], result
+    assert result["ref_bytes_sum"] == result["model_bytes"], result
+    assert (result["ref_states"], result["ref_grads_optimizer_bytes"],
+            result["ref_trainable"]) == (0, 0, 0), result
+
+
+@pytest.mark.parametrize("name", ["grpo_z3", "grpo_z3off", "grpo_z3stream", "rloo_z3",
+                                  "odpo_z3"])
+def test_reference_model_is_sharded_and_frozen_at_stage3(runs: dict, name: str) -> None:
+    _assert_reference_sharded(runs[name])
+
+
+@pytest.mark.parametrize("name", ["grpo_ddp", "grpo_z2", "odpo_z2"])
+def test_reference_model_is_whole_below_stage3(runs: dict, name: str) -> None:
+    """As TRL's prepare_deepspeed does at stages 1-2: the parameters of every model are
+    whole on each rank there, the reference's too."""
+    result = C.ok(runs[name])
+    assert result["ref"] == "GPT2LMHeadModel"
+    assert result["ref_bytes_rank"] == result["model_bytes"], result
+
+
+def test_rloo_matches_ddp(runs: dict) -> None:
+    _assert_parity(runs["rloo_ddp"], runs["rloo_z3"], "rloo z3")
+
+
+@pytest.mark.parametrize("mode", ["z2", "z3"])
+def test_online_dpo_matches_ddp(runs: dict, mode: str) -> None:
+    _assert_parity(runs["odpo_ddp"], runs[f"odpo_{mode}"], f"online dpo {mode}")
+
+
+def test_grpo_lora_uses_the_base_as_reference_without_a_copy(runs: dict) -> None:
+    """LoRA: the reference is the base with the adapter disabled (TRL creates no reference
+    model); the run matches DDP's, only the adapter is saved, one GPT-2 is built,
+    and at stage 3 the policy, frozen base included, is held 1/N per rank. Models built during
+    the run are counted by GPT-2's constructor: the policy alone (with a reference: two)."""
+    ddp, z3 = C.ok(runs["grpo_lora_ddp"]), C.ok(runs["grpo_lora_z3"])
+    _assert_parity(ddp, z3, "grpo lora z3", weights=False)
+    assert max(ddp["kl"]) > 0
+    for result in (ddp, z3):
+        assert result["ref"] is None and result["models"] == 1, result
+        assert result["adapter_only"], result
+    assert z3["policy_bytes_sum"] == 4 * z3["policy_numel"], z3  # fp32, no padding at N=2
+    assert z3["policy_bytes_rank"] * 2 == z3["policy_bytes_sum"], z3
+    _assert_same_adapter(Path(ddp["final"]), Path(z3["final"]))
+
+
+def _assert_same_adapter(a: Path, b: Path) -> None:
+    from safetensors.torch import load_file
+
+    x, y = (load_file(p / "adapter_model.safetensors") for p in (a, b))
+    assert x.keys() == y.keys() and x
+    for key in x:
+        scale = max(x[key].abs().max().item(), y[key].abs().max().item(), 1e-12)
+        diff = (x[key].double() - y[key].double()).abs().max().item() / scale
+        assert diff <= C.RTOL, (key, diff)
+    assert any(v.abs().sum() > 0 for k, v in y.items() if "lora_B" in k)  # it trained
+
+
+def test_sync_ref_model_is_refused_at_stage3(runs: dict) -> None:
+    refused = C.ok(runs["grpo_sync_z3"])["refused"]
+    assert refused and "sync_ref_model" in refused and "stage 3" in refused, refused
+
+
+def test_same_samples_as_ddp(runs: dict) -> None:
+    """The determinism the parity rests on, stated on its own: every ZeRO run generated what
+    DDP generated (same rewards) and left the global generator where DDP left it."""
+    for name, key in (("grpo_z3", "reward"), ("grpo_z3stream", "reward"),
+                      ("rloo_z3", "reward"), ("odpo_z3", "objective/scores")):
+        ddp = C.ok(runs[name.split("_")[0] + "_ddp"])
+        zero = C.ok(runs[name])
+        assert zero[key] == ddp[key] and zero["rng"] == ddp["rng"], name
+    assert torch.tensor(C.ok(runs["grpo_ddp"])["reward"]).std() > 0  # samples differ per step
