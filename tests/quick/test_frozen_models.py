@@ -9,10 +9,11 @@ trainers themselves: tests/integration/test_trl_online.py."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.support.harness import check, run_world
 from zero_strategy.config import ZeroConfig
-from zero_strategy.integrations.accelerate.frozen import frozen_config
+from zero_strategy.integrations.accelerate.frozen import build_frozen, frozen_config
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +68,14 @@ def test_frozen_config_keeps_what_a_frozen_model_uses() -> None:
     assert frozen.offload_dir == "/tmp/zs-offload/frozen1"
     assert frozen_config(ZeroConfig(stage=3, offload_optimizer="disk", offload_params="disk"),
                          0).offload_dir is None  # a fresh temporary directory of its own
+
+
+def test_a_meta_model_without_weights_to_load_is_refused() -> None:
+    """A frozen model is never trained: initialising a meta model (as the engine does for a
+    trained one) would give a reference with random weights. Refused before any engine (or
+    collective) exists; a deepcopy of a streamed model is the way to get one."""
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="meta device with no pretrained weights"):
+        build_frozen(model, ZeroConfig(stage=3), 0, None)
+    assert model.weight.requires_grad  # refused before anything changed

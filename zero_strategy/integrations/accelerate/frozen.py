@@ -22,6 +22,7 @@ import torch
 from accelerate.utils import convert_to_fp32
 from torch import nn
 
+from ...checkpoint import pretrained as checkpoint_pretrained
 from ...config import ZeroConfig
 from ...engine import ZeroEngine
 
@@ -80,10 +81,19 @@ def build_frozen(model: nn.Module, config: ZeroConfig, index: int,
     if not any(True for _ in model.parameters()):
         raise ValueError(f"prepare_model(evaluation_mode=True) got a {type(model).__name__} "
                          "without parameters: nothing to shard")
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and not checkpoint_pretrained.pending(model):
+        # The engine would initialise it (reset_parameters): a reference or reward model with
+        # random weights, silently. E.g. a deepcopy of a model streamed by from_pretrained
+        # (TRL's create_reference_model) is on meta without its folder.
+        raise ValueError(
+            f"prepare_model(evaluation_mode=True) got a {type(model).__name__} on the meta "
+            "device with no pretrained weights to load: build it with "
+            "zero_strategy.transformers.from_pretrained (not a copy of such a model), or "
+            "with real weights")
     model.requires_grad_(False)
     model.eval()
     placeholder = torch.optim.SGD(model.parameters(), lr=0.0)
-    on_meta = any(p.is_meta for p in model.parameters())
     if device is not None and not on_meta:
         model.to(device)
     engine = ZeroEngine(model, placeholder, frozen_config(config, index))
