@@ -31,7 +31,8 @@ from tests.support import trainer_checks as C
 SCRIPT = Path(__file__).resolve().parents[1] / "worlds" / "trl_online_run.py"
 GRPO_MODES = ["z2", "z3", "z3off", "z3stream"]
 SCENARIOS = ["grpo_ddp", *(f"grpo_{m}" for m in GRPO_MODES), "grpo_lora_ddp", "grpo_lora_z3",
-             "grpo_sync_z3", "rloo_ddp", "rloo_z3", "odpo_ddp", "odpo_z2", "odpo_z3"]
+             "grpo_sync_ddp", "grpo_sync_z2", "grpo_sync_z3", "grpo_rm_ddp", "grpo_rm_z3",
+             "rloo_ddp", "rloo_z3", "odpo_ddp", "odpo_z2", "odpo_z3"]
 # same samples: the same python rewards and completion lengths, exactly
 EXACT = ("reward", "completions/mean_length", "objective/scores", "val/contain_eos_token")
 KL = ("kl", "objective/kl", "rewards/margins")
@@ -132,9 +133,30 @@ def _assert_same_adapter(a: Path, b: Path) -> None:
     assert any(v.abs().sum() > 0 for k, v in y.items() if "lora_B" in k)  # it trained
 
 
-def test_sync_ref_model_is_refused_at_stage3(runs: dict) -> None:
-    refused = C.ok(runs["grpo_sync_z3"])["refused"]
-    assert refused and "sync_ref_model" in refused and "stage 3" in refused, refused
+@pytest.mark.parametrize("mode", ["z2", "z3"])
+def test_sync_ref_model_matches_ddp(runs: dict, mode: str) -> None:
+    """TRL's sync_ref_model, every step with alpha 0.5: at stage 3 each pair of parameters is
+    gathered (the reference's writable) and mixed; the KL against the synced reference, the
+    losses and the weights follow DDP's. The sync moved the reference: its KL differs from
+    the unsynced run's."""
+    _assert_parity(runs["grpo_sync_ddp"], runs[f"grpo_sync_{mode}"], f"grpo sync {mode}")
+    synced, unsynced = C.ok(runs["grpo_sync_ddp"])["kl"], C.ok(runs["grpo_ddp"])["kl"]
+    assert synced[2] != pytest.approx(unsynced[2], rel=1e-3), (synced, unsynced)
+
+
+def test_grpo_reward_model_is_sharded_and_scores_as_under_ddp(runs: dict) -> None:
+    """A reward *model* (a sequence-classification GPT-2 built in code) beside the python
+    reward: TRL prepares it for evaluation as the reference, so at stage 3 it is a frozen
+    engine holding half of it per rank; its scores (in the summed reward) equal DDP's within
+    the same fp32 bound."""
+    ddp, z3 = C.ok(runs["grpo_rm_ddp"]), C.ok(runs["grpo_rm_z3"])
+    rm = z3["reward_model"]
+    assert rm["type"] == "ZeroFrozenModel" and rm["bytes_rank"] * 2 == rm["whole"], rm
+    assert ddp["reward_model"]["bytes_rank"] == ddp["reward_model"]["whole"], ddp
+    C.assert_close_lists(ddp["reward"], z3["reward"], "reward with a reward model")
+    assert ddp["rng"] == z3["rng"]
+    for key in ("loss", "grad_norm"):
+        C.assert_close_lists(ddp[key], z3[key], f"rm {key}", rtol=C.RTOL)
 
 
 def test_same_samples_as_ddp(runs: dict) -> None:

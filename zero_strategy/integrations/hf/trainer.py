@@ -23,7 +23,10 @@ logging, evaluation, callbacks and data handling to ``Trainer``:
   ``predict_with_generate``, TRL's ``unwrap_model_for_generation``) runs in the engine's
   generation mode: each unit gathered once per call and held while it fits
   ``generation_gather_budget``, else gathered per forward with the ranks kept in step
-  (transformers' ``synced_gpus``, which the model's FSDP flag below also asks for).
+  (transformers' ``synced_gpus``, which the model's FSDP flag below also asks for);
+- TRL's reference and reward models (``prepare_model(..., evaluation_mode=True)``) are
+  sharded at stage 3 by frozen engines of their own (``ZeroAccelerator``); Trainer's own
+  model never is; TRL's ``sync_ref_model`` goes through both engines (``trl.py``).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from ..accelerate import (
     ZeroPlugin,
     has_accelerator_device,
 )
-from . import compat
+from . import compat, trl
 
 SCHEDULER_FILE = "scheduler.pt"
 """Trainer's name for the LR scheduler's state inside ``checkpoint-N``."""
@@ -104,6 +107,7 @@ class ZeroTrainerMixin:
         # Trainer.__init__ builds the accelerator, which needs the plugin: set it first.
         self.zero_plugin = zero_plugin if zero_plugin is not None else ZeroPlugin.from_config()
         super().__init__(*args, **kwargs)
+        trl.adapt_callbacks(self)  # TRL's trainers add theirs in their __init__
 
     # ------------------------------------------------------------------ accelerator
     def create_accelerator_and_postprocess(self) -> None:
@@ -114,7 +118,6 @@ class ZeroTrainerMixin:
         with _trainer_builds(build):
             super().create_accelerator_and_postprocess()
         self.accelerator.trainer = weakref.ref(self)
-        _refuse_ref_model_sync(self.args, self.accelerator.zero_config)
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         """Not at construction: ``ZeroAccelerator.prepare`` puts the model on the device when
@@ -272,18 +275,6 @@ def _refuse_unsupported(args: Any) -> None:
         raise ValueError("TrainingArguments(save_only_model=True) is not supported by a ZeRO "
                          "Trainer: a checkpoint without the sharded optimizer cannot be "
                          "resumed; leave save_only_model unset")
-
-
-def _refuse_ref_model_sync(args: Any, config: Any) -> None:
-    """TRL's ``sync_ref_model`` mixes the policy's parameters into the reference model's in
-    place, through ``.data``: at stage 3 both hold only placeholders there (their shards live
-    in the engines), so it would write into freed storage."""
-    if getattr(args, "sync_ref_model", False) and config.stage == 3:
-        raise ValueError(
-            f"{type(args).__name__}(sync_ref_model=True) is not supported at ZeRO stage 3: "
-            "TRL updates the reference model's parameters in place, and both models' "
-            "parameters are sharded; leave sync_ref_model unset, or use stage 2 (the "
-            "reference model is then a whole copy on every rank)")
 
 
 def _check_precision(args: Any, plugin: ZeroPlugin) -> None:
