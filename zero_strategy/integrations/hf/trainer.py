@@ -97,6 +97,8 @@ class _TrainerAccelerator(ZeroAccelerator):
         setattr(self, compat.ACCELERATOR_DATALOADERS.name, [])
         setattr(self, models, kept_models)
         setattr(self, optimizers, kept_optimizers)
+        if self._zero_model is None:  # the first train(): as Accelerate's own free_memory
+            self.step = 0
         return None
 
 
