@@ -85,6 +85,9 @@ def _assert_reference_sharded(result: dict) -> None:
                                   "odpo_z3"])
 def test_reference_model_is_sharded_and_frozen_at_stage3(runs: dict, name: str) -> None:
     _assert_reference_sharded(runs[name])
+    # GRPO and RLOO load it from the policy's folder: streamed into the shards (never whole
+    # on a rank); online DPO copies the policy, which is whole until train() shards it.
+    assert runs[name]["ref_streamed"] == (not name.startswith("odpo")), runs[name]
 
 
 @pytest.mark.parametrize("name", ["grpo_ddp", "grpo_z2", "odpo_z2"])

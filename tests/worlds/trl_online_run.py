@@ -113,7 +113,10 @@ def _ref_facts(trainer: Any) -> dict[str, Any]:
     dist.all_reduce(total)
     full = T.tiny_gpt2(dropout=0.0)
     whole = sum(p.numel() * p.element_size() for p in full.parameters())
-    return {"ref": type(ref).__name__, "ref_bytes_rank": held, "ref_bytes_sum": int(total[0]),
+    from zero_strategy.checkpoint.pretrained import spec_of
+
+    return {"ref": type(ref).__name__, "ref_bytes_rank": held,
+            "ref_streamed": spec_of(module) is not None, "ref_bytes_sum": int(total[0]),
             "ref_states": int(total[1]), "ref_grads_optimizer_bytes": int(total[2]),
             "model_bytes": whole,
             "ref_trainable": sum(p.numel() for p in module.parameters() if p.requires_grad),

@@ -108,7 +108,8 @@ class ZeroTrainerMixin:
     def __init__(self, *args: Any, zero_plugin: ZeroPlugin | None = None, **kwargs: Any) -> None:
         # Trainer.__init__ builds the accelerator, which needs the plugin: set it first.
         self.zero_plugin = zero_plugin if zero_plugin is not None else ZeroPlugin.from_config()
-        super().__init__(*args, **kwargs)
+        with trl.streamed_references(self):
+            super().__init__(*args, **kwargs)
         trl.adapt_callbacks(self)  # TRL's trainers add theirs in their __init__
 
     # ------------------------------------------------------------------ accelerator

@@ -2,7 +2,18 @@
 
 Their reference and reward models are prepared with ``accelerator.prepare_model(...,
 evaluation_mode=True)``, which ``ZeroAccelerator`` answers (frozen engines at stage 3,
-``integrations/accelerate/frozen.py``). What is left is TRL's ``sync_ref_model``: its
+``integrations/accelerate/frozen.py``). Two things are left.
+
+GRPO, RLOO and DPO load a reference model from a folder with TRL's
+``create_model_from_path`` (plain ``from_pretrained``: the whole model on every rank until
+it is prepared). At stage 3, once the trainer's accelerator exists (the policy passed by
+name is loaded before it, as TRL does), the reference is built with
+``zero_strategy.transformers.from_pretrained`` instead: on the meta device, its weights
+streamed into the frozen engine's shards, each rank reading its own ranges
+(docs/pretrained.md). Options that streaming cannot honour (quantization, a Hub id) keep
+TRL's loading.
+
+The other is TRL's ``sync_ref_model``: its
 ``SyncRefModelCallback`` mixes the policy into the reference in place through ``.data``
 (``ref = (1 - alpha) ref + alpha policy``), which at stage 3 would read and write the
 placeholders both models hold between gathers. Under DeepSpeed ZeRO-3 TRL gathers both whole
@@ -15,8 +26,12 @@ Importing this module imports no framework; TRL is looked for among the loaded m
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import sys
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -25,6 +40,57 @@ from torch import nn
 # TRL's callback (trl.trainer.callbacks) and the method of it that does the mixing.
 SYNC_CALLBACK = ("trl.trainer.callbacks", "SyncRefModelCallback")
 SYNC_METHOD = "sync_target_model"
+
+
+# TRL's loader of models named by a path, as each trainer module imports it.
+LOADER = "create_model_from_path"
+
+
+@contextlib.contextmanager
+def streamed_references(trainer: Any) -> Iterator[None]:
+    """While ``trainer`` (a ZeRO trainer subclassing one of TRL's) is constructed, the TRL
+    modules its classes come from load a model named by a local folder streamed (see the
+    module docstring) once its accelerator exists at stage 3."""
+    modules = {sys.modules.get(c.__module__) for c in type(trainer).__mro__
+               if c.__module__.split(".")[0] == "trl"}
+    patched = [(m, getattr(m, LOADER)) for m in modules
+               if m is not None and callable(getattr(m, LOADER, None))]
+    for module, original in patched:
+        setattr(module, LOADER, functools.partial(_load, trainer, original))
+    try:
+        yield
+    finally:
+        for module, original in patched:
+            setattr(module, LOADER, original)
+
+
+def _load(trainer: Any, original: Any, model_id: str, architecture: Any = None,
+          **kwargs: Any) -> Any:
+    accelerator = getattr(trainer, "accelerator", None)
+    config = getattr(accelerator, "zero_config", None)
+    if config is None or config.stage != 3 or not os.path.isdir(str(model_id)):
+        return original(model_id, architecture, **kwargs)
+    from .pretrained import from_pretrained  # imports transformers: only here
+
+    cls = architecture if architecture is not None else _architecture(model_id, kwargs)
+    try:
+        return from_pretrained(cls, model_id, **kwargs)
+    except ValueError as err:  # an option streaming refuses by name: TRL's own loading
+        warnings.warn(f"the reference model {model_id} is loaded whole on every rank before "
+                      f"it is sharded: {err}", stacklevel=2)
+        return original(model_id, architecture, **kwargs)
+
+
+def _architecture(model_id: str, kwargs: dict[str, Any]) -> Any:
+    """The model class the folder's config names (as TRL picks it), else the causal-LM
+    auto class."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(
+        model_id, trust_remote_code=kwargs.get("trust_remote_code", False))
+    names = getattr(config, "architectures", None) or []
+    found = getattr(transformers, names[0], None) if names else None
+    return found if found is not None else transformers.AutoModelForCausalLM
 
 
 def adapt_callbacks(trainer: Any) -> None:
@@ -58,4 +124,4 @@ def _sync_sharded(accelerator: Any, model: nn.Module, target: nn.Module, alpha: 
                 target_param.mul_(1.0 - alpha).add_(copy_param, alpha=alpha)
 
 
-__all__ = ["adapt_callbacks"]
+__all__ = ["adapt_callbacks", "streamed_references"]
