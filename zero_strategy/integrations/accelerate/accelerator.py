@@ -206,8 +206,9 @@ class ZeroAccelerator(Accelerator):
         zero = self._zero_model
         if zero is not None and (model is zero or model is zero.module):
             return zero
-        if isinstance(model, ZeroFrozenModel) or (
-                evaluation_mode and self.zero_config.stage == 3 and not self._trains(model)):
+        shard = (evaluation_mode and self.zero_config.stage == 3 and not self._trains(model)
+                 and any(True for _ in model.parameters()))  # a parameter-free one as before
+        if isinstance(model, ZeroFrozenModel) or shard:
             return self._prepare_frozen(model, device_placement)
         return super().prepare_model(model, device_placement, evaluation_mode)
 
