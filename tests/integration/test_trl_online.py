@@ -171,3 +171,5 @@ def test_same_samples_as_ddp(runs: dict) -> None:
         zero = C.ok(runs[name])
         assert zero[key] == ddp[key] and zero["rng"] == ddp["rng"], name
     assert torch.tensor(C.ok(runs["grpo_ddp"])["reward"]).std() > 0  # samples differ per step
+    # The state tracks what was drawn: online DPO samples other shapes than GRPO, same seed.
+    assert C.ok(runs["grpo_ddp"])["rng"] != C.ok(runs["odpo_ddp"])["rng"]

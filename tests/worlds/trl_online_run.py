@@ -111,8 +111,8 @@ def _ref_facts(trainer: Any) -> dict[str, Any]:
         extra = states = 0
     total = torch.tensor([held, states, extra])
     dist.all_reduce(total)
-    full = T.tiny_gpt2(dropout=0.0)
-    whole = sum(p.numel() * p.element_size() for p in full.parameters())
+    # fp32 bytes of the whole model: parameters keep their full shapes at stage 3 too
+    whole = sum(p.numel() * 4 for p in module.parameters())
     from zero_strategy.checkpoint.pretrained import spec_of
 
     return {"ref": type(ref).__name__, "ref_bytes_rank": held,
@@ -144,9 +144,12 @@ def _held(model: Any) -> dict[str, Any]:
 
 
 def _finish(trainer: Any, run: Path, keys: tuple[str, ...]) -> dict[str, Any]:
+    # The global generator as training left it, before anything here could draw from it:
+    # every sample generation took moved it, so equal states mean equal consumption.
+    rng = hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()
     trainer.save_model(str(run / "final"))
     return {**_history(trainer, keys), **_ref_facts(trainer), "final": str(run / "final"),
-            "rng": hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()}
+            "rng": rng}
 
 
 # ---------------------------------------------------------------------------------- GRPO
