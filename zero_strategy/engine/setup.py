@@ -54,6 +54,7 @@ def build(parts: EngineParts, model: nn.Module,
     materializer = Materializer(model, parts.device, param_init_fn) if has_meta(model) else None
     pretrained = checkpoint_pretrained.pending(model)  # weights to stream in, last
     parts.plan = make_plan(parts.config, parts.shards.world_size)
+    parts.forward_context = parts.plan.policy.forward_context(parts.device)
     user = as_one_optimizer(optimizer)
     existing = _existing_states(user)
     managed, group_of = managed_parameters(model, user)

@@ -52,7 +52,7 @@ class ZeroModel(nn.Module):
         self.module = engine.module
         self.engine = engine  # not an nn.Module: a plain attribute
         # Accelerate hands mixed-precision outputs back in fp32 (so the loss is fp32); do the same.
-        self._fp32_outputs = engine.config.precision.endswith("-mixed")
+        self._fp32_outputs = engine.config.precision.endswith(("-mixed", "-autocast"))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         output = self.engine(*args, **kwargs)
