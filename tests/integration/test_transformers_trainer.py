@@ -127,7 +127,7 @@ def test_best_model_checkpoint_rotation_plateau_schedule_and_callbacks(runs: dic
 
 def test_precision_follows_training_arguments(runs: dict) -> None:
     result = C.ok(runs["precision"])
-    assert (result["bf16"], result["fp16"]) == ("bf16-mixed", "16-mixed")
+    assert (result["bf16"], result["fp16"]) == ("bf16-autocast", "16-autocast")
     assert "precision='32-true'" in result["clash"] and "bf16=True" in result["clash"]
 
 
