@@ -104,9 +104,32 @@ def observed_dtypes(stage: int, precision: str) -> dict:
     return seen
 
 
+def generate_under_autocast(stage: int) -> dict:
+    """``generate()`` on the engine's model runs in the forward's autocast, as it does under
+    Accelerate (which autocasts the model's ``forward`` itself): the same greedy tokens as
+    the plain model generating under torch.autocast, and the autocast seen inside."""
+    ref = make_model("gpt2")
+    model = make_model("gpt2")
+    states: set[bool] = set()
+    model.transformer.h[0].register_forward_pre_hook(
+        lambda module, args: states.add(torch.is_autocast_enabled("cpu")))
+    config = zs.ZeroConfig(stage=stage, precision="bf16-autocast",
+                           **(STAGE3["gpt2"] if stage == 3 else {}))
+    engine = zs.ZeroEngine(model, make_optimizer("adamw", model), config)
+    ids = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(5))
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = ref.generate(ids, **kwargs)
+    got = engine.module.generate(ids, **kwargs)
+    return {"equal": torch.equal(got, expected), "autocast_seen": sorted(states)}
+
+
+for _stage in (0, 3):
+    register(f"generate_stage{_stage}", generate_under_autocast, stage=_stage)
+for _stage in (0, 3):
+    register(f"mixed_stage{_stage}", against_reference, stage=_stage, precision="bf16-mixed")
 for _stage in range(4):
     register(f"autocast_stage{_stage}", against_reference, stage=_stage)
-    register(f"mixed_stage{_stage}", against_reference, stage=_stage, precision="bf16-mixed")
     for _precision in ("bf16-autocast", "bf16-mixed"):
         register(f"dtypes_{_precision}_stage{_stage}", observed_dtypes, stage=_stage,
                  precision=_precision)

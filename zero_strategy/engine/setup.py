@@ -8,6 +8,8 @@ refuses what it can before anything is built.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -21,7 +23,7 @@ from ..core.activations import Activations
 from ..core.buffers import BufferPool
 from ..core.devices import canonical_device
 from ..core.generation import GenerationMode
-from ..core.hooks import HookSet, ModulePatches
+from ..core.hooks import GenerationContext, HookSet, ModulePatches
 from ..core.materialize import InitFn, Materializer, has_meta
 from ..core.params import Placement
 from ..core.plan import make_plan
@@ -152,10 +154,27 @@ def _install(parts: EngineParts, model: nn.Module) -> None:
                                plan.overlap_param_gather, world=parts.comm)
     parts.generation_mode = _generation_mode(parts)
     parts.patches = ModulePatches(parts.access, watch=bool(parts.access.watched),
-                                  generation=parts.generation_mode.holding
-                                  if parts.generation_mode is not None else None)
+                                  generation=_generation_context(parts))
     parts.patches.install(model)
     parts.optimizer_patches = state.patch_user_optimizers(parts)
+
+
+def _generation_context(parts: EngineParts) -> GenerationContext | None:
+    """What a model's ``generate`` runs inside: stage 3's generation mode, and under the
+    "-autocast" precisions the forward's autocast too (Accelerate autocasts the model's
+    ``forward`` itself, so a plain Trainer's ``generate`` runs under it as well)."""
+    holding = parts.generation_mode.holding if parts.generation_mode is not None else None
+    if parts.plan.policy.autocast_dtype is None:
+        return holding
+    forward_context = parts.forward_context
+
+    @contextlib.contextmanager
+    def generating() -> Iterator[bool]:
+        with forward_context(), (holding() if holding is not None
+                                 else contextlib.nullcontext(False)) as synced:
+            yield synced
+
+    return generating
 
 
 def _generation_mode(parts: EngineParts) -> GenerationMode | None:
