@@ -110,7 +110,8 @@ def test_bad_plugin_config_fails_before_training(runs: dict[str, Outcome], work:
 
 def test_plain_python_run_with_the_engines_fp16_loss_scaling(runs: dict[str, Outcome]) -> None:
     """Without a launcher: a process group of one. Accelerate's fp16 -> the engine's
-    16-autocast (autocast over fp32 weights, as Accelerate runs it), whose loss scaler (not a GradScaler) skips overflowing steps, and the scheduler with them."""
+    16-autocast (autocast over fp32 weights, as Accelerate runs it), whose loss scaler (not a
+    GradScaler) skips overflowing steps, and the scheduler with them."""
     (r,) = A.ok(runs["single"], world=1)
     assert r["distributed_type"] == "DistributedType.NO" and r["mixed_precision"] == "fp16"
     assert r["zero_config"]["stage"] == 2 and r["zero_config"]["precision"] == "16-autocast"
