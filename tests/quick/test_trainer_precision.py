@@ -97,11 +97,19 @@ def _trainer(tmp_path: Path, plugin_options: dict, **args_options: bool):
 
 
 def test_trainer_bf16_means_autocast_and_the_plugin_can_choose_copies(tmp_path: Path) -> None:
-    chosen = _trainer(tmp_path, {}, bf16=True).accelerator.zero_config
-    assert chosen.precision == "bf16-autocast"
+    import torch
+
+    chosen = _trainer(tmp_path, {}, bf16=True).accelerator
+    assert chosen.zero_config.precision == "bf16-autocast"
+    # accelerator.autocast() (TRL scores under it) is the same autocast as Accelerate's
+    with chosen.autocast():
+        assert torch.is_autocast_enabled("cpu")
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
     explicit = _trainer(tmp_path, {"precision": "bf16-mixed"}, bf16=True).accelerator
     assert explicit.zero_config.precision == "bf16-mixed"
     assert explicit.mixed_precision == "bf16"  # what Trainer and its callbacks read
+    with explicit.autocast():
+        assert not torch.is_autocast_enabled("cpu")  # the weights are bf16 already
     assert _trainer(tmp_path, {}).accelerator.zero_config.precision == "32-true"
 
 

@@ -26,6 +26,7 @@ from ...checkpoint.dcp import dcp_directories
 from ...checkpoint.errors import CheckpointError
 from ...checkpoint.verify import member
 from ...comm import collectives
+from ...core.precision import make_policy
 from ...engine import ZeroEngine
 from ..step_turns import StepTurns
 from .plugin import ZeroPlugin
@@ -159,6 +160,22 @@ class ZeroAccelerator(Accelerator):
     def mixed_precision(self) -> str:
         """Accelerate's name for the precision in use (the engine applies it)."""
         return self._zero_mixed_precision
+
+    @contextlib.contextmanager
+    def autocast(self, autocast_handler: Any = None) -> Iterator[None]:
+        """Accelerate's ``autocast()`` block (TRL's trainers score and compute losses in one)
+        in the engine's precision: the autocast its forward runs in under "-autocast", as
+        Accelerate's own under ``mixed_precision``; nothing under the other precisions, whose
+        weights already have their compute dtype. ``autocast_handler`` (``AutocastKwargs``)
+        overrides the accelerator's, as in Accelerate."""
+        dtype = make_policy(self.zero_config).autocast_dtype
+        handler = autocast_handler if autocast_handler is not None else self.autocast_handler
+        if dtype is None:
+            yield
+            return
+        kwargs = handler.to_kwargs() if handler is not None else {}
+        with torch.autocast(self.device.type, dtype=dtype, **kwargs):
+            yield
 
     @property
     def engine(self) -> ZeroEngine:
