@@ -84,6 +84,11 @@ def test_generate_runs_in_the_forwards_autocast(world: dict, stage: int) -> None
         assert r["equal"], "greedy tokens differ from the plain model under autocast"
 
 
+def test_frozen_tensors_keep_their_dtype_under_autocast(world: dict) -> None:
+    for r in check(world["frozen_stage0"]):
+        assert r == {"bf16-autocast": "torch.bfloat16", "32-true": "torch.float32"}
+
+
 def _trainer(tmp_path: Path, plugin_options: dict, **args_options: bool):
     from transformers import TrainingArguments
 

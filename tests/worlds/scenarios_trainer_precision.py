@@ -124,6 +124,25 @@ def generate_under_autocast(stage: int) -> dict:
     return {"equal": torch.equal(got, expected), "autocast_seen": sorted(states)}
 
 
+def frozen_keeps_its_dtype(stage: int) -> dict:
+    """A frozen bf16 layer outside the optimizer (stages 0-2 leave it whole): autocast keeps
+    it bf16 as Accelerate does; the compute-copy mode brings it to its compute dtype."""
+    out = {}
+    for precision in ("bf16-autocast", "32-true"):
+        model = make_model("mlp")
+        model.inp.requires_grad_(False)
+        model.inp.to(torch.bfloat16)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        engine = zs.ZeroEngine(model, torch.optim.AdamW(trainable, lr=1e-2),
+                               _config(stage, precision))
+        gen = torch.Generator().manual_seed(3)
+        engine.backward(loss_of("mlp", engine, batch("mlp", gen)).float())
+        engine.step()
+        out[precision] = str(model.inp.weight.dtype)
+    return out
+
+
+register("frozen_stage0", frozen_keeps_its_dtype, stage=0)
 for _stage in (0, 3):
     register(f"generate_stage{_stage}", generate_under_autocast, stage=_stage)
 for _stage in (0, 3):

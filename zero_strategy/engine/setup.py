@@ -191,13 +191,16 @@ def _generation_mode(parts: EngineParts) -> GenerationMode | None:
 
 
 def _prepare_unmanaged(parts: EngineParts, managed_ids: set[int]) -> None:
-    """Frozen parameters and buffers stay whole: cast to the compute dtype, rank 0's copy."""
+    """Frozen parameters and buffers stay whole: cast to the compute dtype, rank 0's copy.
+    Under autocast they keep the dtype they came in, as under Accelerate (autocast casts
+    per op; a bf16 frozen base stays bf16)."""
     compute = parts.plan.policy.compute_dtype
+    cast = parts.plan.policy.autocast_dtype is None
     tensors = [p for p in parts.module.parameters() if id(p) not in managed_ids]
     tensors += [b for b in parts.module.buffers() if b is not None]
     with torch.no_grad():
         for t in tensors:
-            if torch.is_floating_point(t) and t.dtype != compute:
+            if cast and torch.is_floating_point(t) and t.dtype != compute:
                 t.data = t.data.to(compute)
     if tensors:
         parts.comm.broadcast_coalesced(tensors)
