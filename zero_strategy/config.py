@@ -142,7 +142,8 @@ class ZeroConfig:
 
     The fp16 modes scale the loss (``loss_scale``)."""
     reduce_dtype: ReduceDtype = "fp32"
-    """Dtype gradients are communicated in: "fp32" or "compute" (the precision's compute dtype)."""
+    """Dtype gradients are communicated in: "fp32" or "compute" (the precision's compute dtype:
+    the compute copy's, so fp32 under the "-autocast" precisions)."""
     bucket_numel: PositiveInt = 5_000_000
     """Elements per communication bucket for stages 0-2 (and for stage 3's persistent params)."""
     unit_numel: PositiveInt | None = None
