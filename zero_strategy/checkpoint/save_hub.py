@@ -64,6 +64,10 @@ def save_hub(engine: EngineView, out_dir: str | os.PathLike, *,
                               f"{max_shard_bytes!r}")
     check_bucket_bytes(bucket_bytes)
     check_dtype(dtype)
+    if isinstance(writer, bool) or not isinstance(writer, int) \
+            or not 0 <= writer < engine.comm.world_size:
+        raise CheckpointError(f"writer must be a rank in [0, {engine.comm.world_size}), got "
+                              f"{writer!r}")
     chosen = layout if layout is not None else layout_for(engine.module)
     p = plan(engine, chosen, dtype)
     outputs = [Output(o.name, o.shape, p.out_dtype(o.dtype)) for g in p.groups
@@ -75,26 +79,41 @@ def save_hub(engine: EngineView, out_dir: str | os.PathLike, *,
     out = Path(out_dir)
     mine = engine.comm.rank == writer
     error: str | None = None
-    with ExitStack() as stack:
-        tmp = stack.enter_context(staged_into(out, _OLD_WEIGHTS.fullmatch)) if mine else None
-        for name, shard in zip(names, shards):
-            error = _write_file(engine, p, shard, bucket_bytes, writer,
-                                tmp / name if tmp is not None and error is None else None) \
-                or error
-        if tmp is not None and error is None:
-            extras = dict(extra_files or {})
-            beside = getattr(chosen, "extra_files", None)
-            if callable(beside):  # the layout's own (config.json), recording the dtype written
-                floats = [o.dtype for o in outputs if o.dtype.is_floating_point]
-                extras = {**beside(floats[0] if floats else None), **extras}
-            error = _write_extras(tmp, dict(zip(names, shards)), p, extras, weights)
-        failed = engine.comm.failures(error)
-        if failed:
-            raise CheckpointError(f"{out}: nothing was saved: " + "; ".join(
-                f"rank {r}: {e}" for r, e in failed))
-    # Every rank returns once the folder is in place (a peer may read it next).
-    engine.comm.failures(None)
+    agreed = False
+    try:
+        with ExitStack() as stack:
+            tmp = None
+            if mine:
+                try:
+                    tmp = stack.enter_context(staged_into(out, _OLD_WEIGHTS.fullmatch))
+                except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
+                    error = str(e)
+            for name, shard in zip(names, shards):
+                path = tmp / name if tmp is not None and error is None else None
+                error = _write_file(engine, p, shard, bucket_bytes, writer, path) or error
+            if tmp is not None and error is None:
+                error = _write_extras(tmp, dict(zip(names, shards)), p,
+                                      _extras(chosen, outputs, extra_files), weights)
+            failed = engine.comm.failures(error)
+            agreed = True
+            if failed:  # the writer's temporary files go as this leaves the block
+                raise CheckpointError(f"{out}: nothing was saved: " + "; ".join(
+                    f"rank {r}: {e}" for r, e in failed))
+    finally:
+        if agreed:
+            # Every rank returns (or raises) once the writer published or cleaned up: a
+            # peer may read the folder next.
+            engine.comm.failures(None)
     return out
+
+
+def _extras(layout: HubLayout, outputs: list[Output],
+            given: dict[str, bytes] | None) -> dict[str, bytes]:
+    """The layout's own files (config.json, recording the dtype written), then ``given``."""
+    beside = getattr(layout, "extra_files", None)
+    floats = [o.dtype for o in outputs if o.dtype.is_floating_point]
+    own = beside(floats[0] if floats else None) if callable(beside) else {}
+    return {**own, **(given or {})}
 
 
 def _write_file(engine: EngineView, p: Plan, shard: list[Output], bucket_bytes: int,
