@@ -85,3 +85,8 @@ def test_save_into_existing_folder_replaces_weights_only(world2: dict) -> None:
         assert r["files"] == ["config.json", "generation_config.json", "model.safetensors",
                               "trainer_state.json"]
         assert r["names_equal"] and r["differ"] == []
+
+
+def test_accelerate_save_model_streams_the_state_dict(world2: dict) -> None:
+    for r in check(world2["accelerate_save_model"]):
+        assert r["keys"] == r["expected"] and r["differ"] == [] and r["indexed"]

@@ -227,3 +227,23 @@ def save_into_existing_folder() -> dict[str, Any]:
     return {"files": sorted(os.listdir(root)),
             "names_equal": set(files) == set(_reference_names(type(engine.module), engine)),
             "differ": sorted(k for k in files if not torch.equal(files[k], full[k]))}
+
+
+@scenario
+def accelerate_save_model() -> dict[str, Any]:
+    """ZeroAccelerator.save_model: what Accelerate's save_model writes for the model's state
+    dict (its own keys, the tied head once, split at max_shard_size), streamed."""
+    from zero_strategy.integrations.accelerate import ZeroAccelerator, ZeroPlugin
+
+    accelerator = ZeroAccelerator(cpu=True, zero_plugin=ZeroPlugin(
+        stage=3, unit_numel=3000, param_persistence_threshold=0))
+    model = _gpt2()
+    model, _ = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    root = _shared_dir()
+    accelerator.save_model(model, root / "acc", max_shard_size=20_000)
+    full = accelerator.get_state_dict(model)
+    files = _files(root / "acc")
+    index = json.loads((root / "acc" / "model.safetensors.index.json").read_text())
+    return {"keys": sorted(files), "expected": sorted(k for k in full if k != "lm_head.weight"),
+            "differ": sorted(k for k in files if not torch.equal(files[k], full[k])),
+            "indexed": set(index["weight_map"]) == set(files)}

@@ -88,10 +88,15 @@ class HubLayout(Protocol):
 
 
 class PlainLayout:
-    """The module's own state dict: every key kept, aliases too (a file may hold two equal
-    tensors; a loader of the state dict gets both keys back)."""
+    """The module's own state dict. Keys naming one tensor (tied weights) are all kept by
+    default (a file may hold two equal tensors, and ``load_state_dict(strict=True)`` finds
+    every key); with ``drop_aliases`` only the first in state-dict order, as Accelerate's
+    ``save_model`` writes them."""
 
     prefix = ""
+
+    def __init__(self, drop_aliases: bool = False) -> None:
+        self.drop_aliases = drop_aliases
 
     def plan(self, tensors: dict[str, torch.Tensor]) -> list[Group]:
         return [Group((k,), (Output(k, tuple(t.shape), t.dtype),)) for k, t in tensors.items()]
@@ -100,7 +105,7 @@ class PlainLayout:
         return dict(tensors)
 
     def aliases_to_drop(self, aliases: list[list[str]]) -> set[str]:
-        return set()
+        return {k for keys in aliases for k in keys[1:]} if self.drop_aliases else set()
 
 
 LayoutFactory = Callable[[nn.Module], "HubLayout | None"]
@@ -357,5 +362,29 @@ def check_dtype(dtype: Any) -> None:
         raise ValueError(f"dtype must be None or a floating torch dtype, got {dtype!r}")
 
 
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a size such as "5GB" (powers of 1000, as huggingface_hub reads
+    them) or "2GiB" (powers of 1024)."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    if isinstance(size, str):
+        text = size.strip().upper().replace(" ", "")
+        number = text.rstrip("KMGTIB")
+        unit = text[len(number):]
+        try:
+            value = float(number)
+        except ValueError:
+            value = -1.0
+        if unit in _UNITS and value > 0:
+            return int(value * _UNITS[unit])
+    raise ValueError(f"max_shard_size must be a positive int (bytes) or a size such as "
+                     f"'5GB' or '500MiB', got {size!r}")
+
+
 __all__ = ["DEFAULT_BUCKET_BYTES", "Group", "HubLayout", "Output", "Plan", "PlainLayout",
-           "bucket_iter", "hub_weight_buckets", "layout_for", "plan", "register_layout"]
+           "bucket_iter", "hub_weight_buckets", "layout_for", "parse_size", "plan",
+           "register_layout"]

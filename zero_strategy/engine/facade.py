@@ -30,28 +30,6 @@ from . import setup, state
 from . import step as training
 from .parts import EngineParts
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes from an int or a size such as "5GB" (powers of 1000, as huggingface_hub reads
-    them) or "2GiB" (powers of 1024)."""
-    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-        return size
-    if isinstance(size, str):
-        text = size.strip().upper().replace(" ", "")
-        number = text.rstrip("KMGTIB")
-        unit = text[len(number):]
-        try:
-            value = float(number)
-        except ValueError:
-            value = -1.0
-        if unit in _UNITS and value > 0:
-            return int(value * _UNITS[unit])
-    raise ValueError(f"max_shard_size must be a positive int (bytes) or a size such as "
-                     f"'5GB' or '500MiB', got {size!r}")
-
 
 class ZeroEngine(EngineParts):
     """Trains ``model`` with ``optimizer`` under ZeRO ``config`` on every rank of ``process_group``.
@@ -226,9 +204,9 @@ class ZeroEngine(EngineParts):
             raise ValueError("save_pretrained: safe_serialization=False asks for pickled "
                              "pytorch_model.bin files; only safetensors are written")
         with record_function("zero::save_pretrained"):
-            return save_hub(self, save_directory, max_shard_bytes=parse_size(max_shard_size),
-                            dtype=dtype, bucket_bytes=bucket_bytes, writer=writer,
-                            extra_files=extra_files)
+            size = checkpoint_export.parse_size(max_shard_size)
+            return save_hub(self, save_directory, max_shard_bytes=size, dtype=dtype,
+                            bucket_bytes=bucket_bytes, writer=writer, extra_files=extra_files)
 
     def hub_weight_buckets(self, *, bucket_bytes: int = checkpoint_export.DEFAULT_BUCKET_BYTES,
                            to: int | str = 0, dtype: torch.dtype | None = None,
