@@ -14,7 +14,7 @@ from .core.materialize import meta_init
 from .core.runtime import GatherOrderError
 from .engine import ZeroEngine
 from .integrations.hf import activations as _hf_activations
-from .integrations.hf import hub_layout as _hf_hub_layout
+from .integrations.hf import peft_layout as _hf_layouts
 from .integrations.registration import register_if_lightning_imported, register_strategies
 from .memory import (
     ActivationEstimate,
@@ -33,7 +33,7 @@ register_if_lightning_imported()
 # every user, without importing transformers (integrations/hf/activations.py).
 _hf_activations.register()
 # ... and its hub layout (reverse weight conversions, tied weights) reaches the export here.
-_hf_hub_layout.register()
+_hf_layouts.register()
 
 __all__ = [
     "ActivationEstimate", "BlockActivations", "CheckpointError", "CombinedOptimizer",

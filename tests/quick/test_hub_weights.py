@@ -47,3 +47,12 @@ def _group(name: str) -> str:
 def test_only_the_named_rank_receives() -> None:
     for rank, r in enumerate(check(world(2)["iter_to_last_rank"])):
         assert (r["count"] > 0) == r["is_last"], f"rank {rank}"
+
+
+def test_lora_adapter_saved_as_peft_and_merged_as_merge_and_unload() -> None:
+    for rank, r in enumerate(check(world(2)["peft_adapter_and_merged"])):
+        where = f"rank {rank}: {r}"
+        assert r["lora_trained"], where  # B is zero at init: the merge would be trivial
+        assert r["files"] == ["adapter_config.json", "adapter_model.safetensors"], where
+        assert r["adapter_differ"] == [] and r["config_equal"], where
+        assert r["merged_differ"] == [], where

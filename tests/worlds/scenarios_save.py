@@ -247,3 +247,42 @@ def accelerate_save_model() -> dict[str, Any]:
     return {"keys": sorted(files), "expected": sorted(k for k in full if k != "lm_head.weight"),
             "differ": sorted(k for k in files if not torch.equal(files[k], full[k])),
             "indexed": set(index["weight_map"]) == set(files)}
+
+
+def _lora_gpt2() -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    model = _gpt2()
+    torch.manual_seed(3)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"],
+                                            fan_in_fan_out=True, lora_dropout=0.0))
+
+
+@scenario
+def peft_adapter_and_merged() -> dict[str, Any]:
+    """A LoRA GPT-2 at stage 3: engine.save_pretrained writes the adapter as
+    PeftModel.save_pretrained does; hub_weights(merge_lora=True) gives the base model with the
+    adapter merged as merge_and_unload() computes it (same ops on the same fp32 values)."""
+    engine = _trained(_lora_gpt2(), 3)
+    full = engine.full_state_dict()
+    root = _shared_dir()
+    engine.save_pretrained(root / "ours")
+    merged = {k: t.clone() for b in engine.hub_weight_buckets(merge_lora=True, to="all",
+                                                                bucket_bytes=8000)
+              for k, t in b}
+    reference = _lora_gpt2()
+    reference.load_state_dict(full)
+    if dist.get_rank() == 0:
+        reference.save_pretrained(root / "theirs")
+    dist.barrier()
+    ours_config = json.loads((root / "ours" / "adapter_config.json").read_text())
+    theirs_config = json.loads((root / "theirs" / "adapter_config.json").read_text())
+    plain = reference.merge_and_unload()
+    expected = {k: v for k, v in plain.state_dict().items() if k != "lm_head.weight"}
+    return {
+        "files": sorted(p.name for p in (root / "ours").iterdir()),
+        "adapter_differ": _differ(_files(root / "ours"), _files(root / "theirs")),
+        "config_equal": ours_config == theirs_config,
+        "merged_differ": _differ(merged, expected),
+        "lora_trained": any(v.abs().sum() > 0 for k, v in full.items() if "lora_B" in k),
+    }

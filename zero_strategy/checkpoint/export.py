@@ -21,7 +21,7 @@ same collectives without exchanging it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
@@ -108,22 +108,26 @@ class PlainLayout:
         return {k for keys in aliases for k in keys[1:]} if self.drop_aliases else set()
 
 
-LayoutFactory = Callable[[nn.Module], "HubLayout | None"]
+LayoutFactory = Callable[[nn.Module, bool], "HubLayout | None"]
 _FACTORIES: list[LayoutFactory] = []
 
 
 def register_layout(factory: LayoutFactory) -> None:
-    """Ask ``factory(module)`` for a layout before the plain one; it returns None for a module
-    it does not know (and must not import its framework to find out). Idempotent."""
+    """Ask ``factory(module, merge_lora)`` for a layout before the plain one; it returns None
+    for a module it does not know (and must not import its framework to find out).
+    Idempotent."""
     if factory not in _FACTORIES:
         _FACTORIES.append(factory)
 
 
-def layout_for(module: nn.Module) -> HubLayout:
+def layout_for(module: nn.Module, merge_lora: bool = False) -> HubLayout:
     for factory in _FACTORIES:
-        found = factory(module)
+        found = factory(module, merge_lora)
         if found is not None:
             return found
+    if merge_lora:
+        raise ValueError(f"merge_lora=True: {type(module).__name__} carries no adapter a "
+                         "registered layout can merge (a PEFT model with a LoRA adapter)")
     return PlainLayout()
 
 
@@ -189,7 +193,8 @@ def plan(engine: EngineView, layout: HubLayout, dtype: torch.dtype | None) -> Pl
     """The export's groups from shapes alone (meta tensors), the same on every rank."""
     found, aliases = sources(engine)
     prefix = layout.prefix
-    found = {k[len(prefix):]: s for k, s in found.items() if k.startswith(prefix)}
+    found = {k[len(prefix):]: replace(s, key=k[len(prefix):]) for k, s in found.items()
+             if k.startswith(prefix)}
     aliases = [[k[len(prefix):] for k in keys if k.startswith(prefix)] for keys in aliases]
     drop = layout.aliases_to_drop([keys for keys in aliases if len(keys) > 1])
     kept = {k: s for k, s in found.items() if k not in drop}
@@ -340,13 +345,13 @@ def bucket_iter(engine: EngineView, plan_: Plan, groups: list[Group], bucket_byt
 
 def hub_weight_buckets(engine: EngineView, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                        to: Receivers = 0, dtype: torch.dtype | None = None,
-                       layout: HubLayout | None = None,
+                       merge_lora: bool = False, layout: HubLayout | None = None,
                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """See ``ZeroEngine.hub_weight_buckets``."""
     check_bucket_bytes(bucket_bytes)
     check_dtype(dtype)
     receivers_of(engine, to)  # refuse a bad rank before any collective
-    chosen = layout if layout is not None else layout_for(engine.module)
+    chosen = layout if layout is not None else layout_for(engine.module, merge_lora)
     p = plan(engine, chosen, dtype)
     yield from bucket_iter(engine, p, p.groups, bucket_bytes, to)
 

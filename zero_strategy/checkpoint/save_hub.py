@@ -53,11 +53,11 @@ _OLD_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetens
 def save_hub(engine: EngineView, out_dir: str | os.PathLike, *,
              max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None,
              bucket_bytes: int = DEFAULT_BUCKET_BYTES, writer: int = 0,
-             layout: HubLayout | None = None, weights: str = WEIGHTS,
+             layout: HubLayout | None = None, weights: str | None = None,
              extra_files: dict[str, bytes] | None = None) -> Path:
     """See ``ZeroEngine.save_pretrained``. ``extra_files`` (name: bytes) are written beside
-    the weights by the writer; ``weights`` names the single file (``adapter_model.safetensors``
-    for an adapter; shards and the index take its stem)."""
+    the weights by the writer; ``weights`` names the single file (default: the layout's
+    ``weights_name``, else ``model.safetensors``; shards and the index take its stem)."""
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) \
             or max_shard_bytes <= 0:
         raise CheckpointError(f"max_shard_size must be a positive number of bytes, got "
@@ -69,6 +69,7 @@ def save_hub(engine: EngineView, out_dir: str | os.PathLike, *,
         raise CheckpointError(f"writer must be a rank in [0, {engine.comm.world_size}), got "
                               f"{writer!r}")
     chosen = layout if layout is not None else layout_for(engine.module)
+    weights = weights or getattr(chosen, "weights_name", WEIGHTS)
     p = plan(engine, chosen, dtype)
     outputs = [Output(o.name, o.shape, p.out_dtype(o.dtype)) for g in p.groups
                for o in g.outputs]

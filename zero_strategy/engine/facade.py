@@ -210,27 +210,33 @@ class ZeroEngine(EngineParts):
 
     def hub_weight_buckets(self, *, bucket_bytes: int = checkpoint_export.DEFAULT_BUCKET_BYTES,
                            to: int | str = 0, dtype: torch.dtype | None = None,
-                           layout: Any = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+                           merge_lora: bool = False, layout: Any = None,
+                           ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The model's weights in the hub's names and layout (as ``save_pretrained`` writes
         them), a bucket at a time: a list of (name, tensor) whole on rank ``to`` (or on every
         rank with ``to="all"``), an empty list on the others. A collective: every rank must
         iterate it to the end, in step. A bucket holds at most ``bucket_bytes`` (a single
         tensor or conversion group larger than that comes alone); nothing else is gathered,
         and the engine holds no reference to a bucket once the next is asked for. Tensors are
-        on CPU, masters' values, floating ones cast to ``dtype`` when given."""
+        on CPU, masters' values, floating ones cast to ``dtype`` when given. For a PEFT
+        model: its adapter under PEFT's names, or with ``merge_lora=True`` the base model
+        with the LoRA adapter merged into its weights (what an engine without adapters
+        loads). ``layout`` (a ``checkpoint.export.HubLayout``) overrides the registered one."""
         self.check_open("hub_weight_buckets")
         return checkpoint_export.hub_weight_buckets(self, bucket_bytes=bucket_bytes, to=to,
-                                                    dtype=dtype, layout=layout)
+                                                    dtype=dtype, merge_lora=merge_lora,
+                                                    layout=layout)
 
     def hub_weights(self, *, bucket_bytes: int = checkpoint_export.DEFAULT_BUCKET_BYTES,
                     to: int | str = 0, dtype: torch.dtype | None = None,
+                    merge_lora: bool = False,
                     layout: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``hub_weight_buckets`` flattened: (name, tensor) pairs, what vLLM's
         ``model.load_weights(weights)`` and ``module.load_state_dict(dict(...), strict=False)``
         take. A collective, as ``hub_weight_buckets``; a consumer that keeps every tensor
         holds the whole model, of course (load each and drop it)."""
         for bucket in self.hub_weight_buckets(bucket_bytes=bucket_bytes, to=to, dtype=dtype,
-                                              layout=layout):
+                                              merge_lora=merge_lora, layout=layout):
             while bucket:
                 yield bucket.pop(0)
 

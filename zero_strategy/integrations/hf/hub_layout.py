@@ -9,8 +9,9 @@ which needs the whole state dict at once. Here it runs twice over: once on meta 
 record which state-dict tensors each result was computed from (``_Traced``), which gives the
 conversion groups (the in-memory tensors that must be whole together) and every hub tensor's
 name, shape and order before anything is gathered; then on each group's gathered tensors
-alone. The layout is registered for every user by ``zero_strategy/__init__`` and imports
-nothing of transformers: a model of its classes means it is loaded already.
+alone. The layout is registered for every user (``peft_layout.register``, from
+``zero_strategy/__init__``) and imports nothing of transformers: a model of its classes means
+it is loaded already.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ...checkpoint.export import Group, Output, register_layout
+from ...checkpoint.export import Group, Output
 
 
 class _Traced(torch.Tensor):
@@ -159,14 +160,4 @@ def find_model(module: nn.Module) -> tuple[nn.Module, str] | None:
     return None
 
 
-def layout(module: nn.Module) -> TransformersLayout | None:
-    found = find_model(module)
-    return TransformersLayout(*found) if found is not None else None
-
-
-def register() -> None:
-    """Make transformers' layout known to the engine's export (imports no transformers)."""
-    register_layout(layout)
-
-
-__all__ = ["TransformersLayout", "find_model", "layout", "register"]
+__all__ = ["TransformersLayout", "find_model"]
