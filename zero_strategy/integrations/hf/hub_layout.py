@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ...checkpoint.export import Group, Output
+from . import compat
 
 
 class _Traced(torch.Tensor):
@@ -80,7 +81,7 @@ class TransformersLayout:
 
     # ------------------------------------------------------------------ planning
     def plan(self, tensors: dict[str, torch.Tensor]) -> list[Group]:
-        ignored = set(getattr(self.model, "_keys_to_ignore_on_save", None) or ())
+        ignored = set(getattr(self.model, compat.IGNORED_ON_SAVE.name, None) or ())
         tensors = {k: t for k, t in tensors.items() if k not in ignored}
         traced = {k: _Traced(t, frozenset([k])) for k, t in tensors.items()}
         revert = _revert()
@@ -123,7 +124,7 @@ class TransformersLayout:
         ``from_pretrained`` ties them again."""
         patterns = []
         for name, module in self.model.named_modules():
-            tied = getattr(module, "_tied_weights_keys", None) or {}
+            tied = getattr(module, compat.TIED_WEIGHTS.name, None) or {}
             patterns += [f"{name}.{k}" if name else k for k in tied]
         drop: set[str] = set()
         for keys in aliases:
