@@ -6,6 +6,11 @@ quick tier runs the same save on tiny models (tests/quick/test_save_streamed.py)
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+import torch
+
 from tests.support.harness import check, run_world
 
 
@@ -27,3 +32,22 @@ def test_peak_memory_of_a_save_is_a_bucket_not_the_model() -> None:
         bound = 2 * max(r["bucket_mib"], r["largest_tensor_mib"]) + 16
         assert r["saved_mib"] <= bound, where
         assert r["saved_mib"] < 0.2 * r["model_mib"], where
+
+
+def test_trainer_checkpoint_weights_load_in_plain_transformers(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A stage-3 ZeroTrainer run (2 processes): ``checkpoint-2/model.safetensors``, written
+    streamed from the shards, read by plain ``from_pretrained`` equals the sharded copy
+    saved beside it (``zero_checkpoint``, consolidated), bit for bit: the same fp32 masters
+    copied twice. The final ``save_model`` is compared with plain Trainer's in
+    tests/quick/test_transformers.py."""
+    import zero_strategy as zs
+    from tests.support import trainer_checks as C
+
+    runs = C.launch(tmp_path_factory.mktemp("trainer_save"), ["fit_z3"])
+    checkpoint = Path(C.ok(runs["fit_z3"])["run"]) / "checkpoint-2"
+    loaded = C.weights(checkpoint)
+    sharded = zs.consolidate(checkpoint / "zero_checkpoint")
+    assert set(loaded) == set(sharded)
+    differ = [k for k in loaded if not torch.equal(loaded[k], sharded[k])]
+    assert differ == []
