@@ -90,3 +90,8 @@ def test_save_into_existing_folder_replaces_weights_only(world2: dict) -> None:
 def test_accelerate_save_model_streams_the_state_dict(world2: dict) -> None:
     for r in check(world2["accelerate_save_model"]):
         assert r["keys"] == r["expected"] and r["differ"] == [] and r["indexed"]
+
+
+def test_a_wrapped_transformers_model_is_exported_alone(world2: dict) -> None:
+    for r in check(world2["wrapped_model_save"]):
+        assert r["keys_equal"] and r["differ"] == []

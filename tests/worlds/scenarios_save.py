@@ -170,12 +170,14 @@ def hub_weights(stage: int, kind: str, bucket_bytes: int, to: int | str) -> dict
     return result
 
 
-def _reference_names(model_class: Any, engine: zs.ZeroEngine) -> list[str]:
-    """The keys plain save_pretrained writes for these weights (every rank computes them)."""
+def _reference_names(model_class: Any, engine: Any) -> list[str]:
+    """The keys plain save_pretrained writes for these weights (every rank computes them);
+    ``engine`` is the engine, or the transformers model itself."""
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    plain = model_class(engine.module.config)
+    config = engine.module.config if isinstance(engine, zs.ZeroEngine) else engine.config
+    plain = model_class(config)
     state = remove_tied_weights_from_state_dict(plain.state_dict(), plain)
     return list(revert_weight_conversion(plain, state))
 
@@ -286,3 +288,30 @@ def peft_adapter_and_merged() -> dict[str, Any]:
         "merged_differ": _differ(merged, expected),
         "lora_trained": any(v.abs().sum() > 0 for k, v in full.items() if "lora_B" in k),
     }
+
+
+@scenario
+def wrapped_model_save() -> dict[str, Any]:
+    """A module holding the transformers model as ``self.model`` (a LightningModule, the
+    recipes' RecipeModule) beside weights of its own: the export is the transformers model's
+    alone, under its own keys, loadable by from_pretrained."""
+    from transformers import GPT2LMHeadModel
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _gpt2()
+            self.probe = torch.nn.Linear(4, 4)
+
+        def forward(self, **batch: Any) -> Any:
+            return self.model(**batch)
+
+    engine = _trained(Wrapper(), 3)
+    root = _shared_dir()
+    engine.save_pretrained(root / "hf")
+    full = engine.full_state_dict()
+    loaded = GPT2LMHeadModel.from_pretrained(root / "hf").state_dict()
+    return {"differ": sorted(k for k, v in loaded.items()
+                             if not torch.equal(v, full[f"model.{k}"])),
+            "keys_equal": set(_files(root / "hf")) == set(
+                _reference_names(GPT2LMHeadModel, engine.module.model))}
