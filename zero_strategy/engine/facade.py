@@ -191,7 +191,10 @@ class ZeroEngine(EngineParts):
         transformers model in the hub's layout (its weight conversions reverted, e.g. a MoE's
         fused experts back to per-expert keys), tied weights left out, ``config.json`` and
         ``generation_config.json`` beside. Weights are the masters (fp32 under mixed
-        precision), floating ones cast to ``dtype`` when given.
+        precision), floating ones cast to ``dtype`` when given. A PEFT model writes its
+        adapter, as ``PeftModel.save_pretrained`` does (``adapter_model.safetensors``,
+        ``adapter_config.json``); a module holding a transformers model (a LightningModule's
+        ``self.model``) writes that model alone.
 
         Rank ``writer`` writes every file; each tensor is gathered onto it alone, a bucket
         of at most ``bucket_bytes`` (or one tensor, or one conversion group, where larger)
