@@ -95,3 +95,9 @@ def test_accelerate_save_model_streams_the_state_dict(world2: dict) -> None:
 def test_a_wrapped_transformers_model_is_exported_alone(world2: dict) -> None:
     for r in check(world2["wrapped_model_save"]):
         assert r["keys_equal"] and r["differ"] == []
+
+
+def test_dtype_casts_and_the_config_records_it(world2: dict) -> None:
+    for r in check(world2["save_as_bf16"]):
+        assert r["config_dtype"] == "bfloat16" and r["dtypes"] == ["torch.bfloat16"]
+        assert r["differ"] == []

@@ -315,3 +315,20 @@ def wrapped_model_save() -> dict[str, Any]:
                              if not torch.equal(v, full[f"model.{k}"])),
             "keys_equal": set(_files(root / "hf")) == set(
                 _reference_names(GPT2LMHeadModel, engine.module.model))}
+
+
+@scenario
+def save_as_bf16() -> dict[str, Any]:
+    """dtype=torch.bfloat16: floating tensors cast (round to nearest even, as .to() does
+    everywhere), the config records it, from_pretrained(dtype="auto") loads bf16."""
+    from transformers import GPT2LMHeadModel
+
+    engine = _trained(_gpt2(), 2)
+    root = _shared_dir()
+    engine.save_pretrained(root / "bf16", dtype=torch.bfloat16, max_shard_size="20KB")
+    full = engine.full_state_dict()
+    loaded = GPT2LMHeadModel.from_pretrained(root / "bf16", dtype="auto").state_dict()
+    return {"config_dtype": json.loads((root / "bf16" / "config.json").read_text())["dtype"],
+            "dtypes": sorted({str(v.dtype) for v in _files(root / "bf16").values()}),
+            "differ": sorted(k for k, v in loaded.items()
+                             if not torch.equal(v, full[k].to(torch.bfloat16)))}
