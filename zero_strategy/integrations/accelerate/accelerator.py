@@ -24,6 +24,8 @@ from torch.utils.data import DataLoader
 from ...checkpoint import read as checkpoint_read
 from ...checkpoint.dcp import dcp_directories
 from ...checkpoint.errors import CheckpointError
+from ...checkpoint.export import PlainLayout, parse_size
+from ...checkpoint.save_hub import save_hub
 from ...checkpoint.verify import member
 from ...comm import collectives
 from ...core.precision import make_policy
@@ -340,11 +342,30 @@ class ZeroAccelerator(Accelerator):
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """Consolidated fp32 weights with the user's keys, on every rank (a collective: call
-        it on all ranks; ``save_model`` does)."""
+        it on all ranks). This holds the WHOLE model on every rank; ``save_model`` streams
+        from the shards instead."""
         zero = self._zero_model
         if zero is not None and (model is zero or model is zero.module):
             return self.engine.full_state_dict()
         return super().get_state_dict(model, unwrap)
+
+    def save_model(self, model: nn.Module, save_directory: str | os.PathLike[str],
+                   max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> None:
+        """What Accelerate's ``save_model`` writes (the model's state dict under its own keys,
+        ``model.safetensors`` or shards and an index split at ``max_shard_size``, a tensor
+        named twice written once), streamed from the shards: the main process writes, each
+        tensor gathered onto it alone, a bucket at a time (a collective: call it on every
+        process)."""
+        zero = self._zero_model
+        if zero is None or not (model is zero or model is zero.module):
+            return super().save_model(model, save_directory, max_shard_size=max_shard_size,
+                                      safe_serialization=safe_serialization)
+        if not safe_serialization:
+            raise ValueError("save_model(safe_serialization=False) asks for pickled files; "
+                             "the ZeRO model is written as safetensors only")
+        save_hub(self.engine, save_directory, max_shard_bytes=parse_size(max_shard_size),
+                 layout=PlainLayout(drop_aliases=True))
+        return None
 
     # ------------------------------------------------------------------ checkpoints
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
