@@ -24,8 +24,11 @@ from torch.utils.data import DataLoader
 from ...checkpoint import read as checkpoint_read
 from ...checkpoint.dcp import dcp_directories
 from ...checkpoint.errors import CheckpointError
+from ...checkpoint.export import PlainLayout, parse_size
+from ...checkpoint.save_hub import save_hub
 from ...checkpoint.verify import member
 from ...comm import collectives
+from ...core.precision import make_policy
 from ...engine import ZeroEngine
 from ..step_turns import StepTurns
 from .frozen import ZeroFrozenModel, build_frozen
@@ -53,7 +56,7 @@ class ZeroModel(nn.Module):
         self.module = engine.module
         self.engine = engine  # not an nn.Module: a plain attribute
         # Accelerate hands mixed-precision outputs back in fp32 (so the loss is fp32); do the same.
-        self._fp32_outputs = engine.config.precision.endswith("-mixed")
+        self._fp32_outputs = engine.config.precision.endswith(("-mixed", "-autocast"))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         output = self.engine(*args, **kwargs)
@@ -161,6 +164,22 @@ class ZeroAccelerator(Accelerator):
     def mixed_precision(self) -> str:
         """Accelerate's name for the precision in use (the engine applies it)."""
         return self._zero_mixed_precision
+
+    @contextlib.contextmanager
+    def autocast(self, autocast_handler: Any = None) -> Iterator[None]:
+        """Accelerate's ``autocast()`` block (TRL's trainers score and compute losses in one)
+        in the engine's precision: the autocast its forward runs in under "-autocast", as
+        Accelerate's own under ``mixed_precision``; nothing under the other precisions, whose
+        weights already have their compute dtype. ``autocast_handler`` (``AutocastKwargs``)
+        overrides the accelerator's, as in Accelerate."""
+        dtype = make_policy(self.zero_config).autocast_dtype
+        handler = autocast_handler if autocast_handler is not None else self.autocast_handler
+        if dtype is None:
+            yield
+            return
+        kwargs = handler.to_kwargs() if handler is not None else {}
+        with torch.autocast(self.device.type, dtype=dtype, **kwargs):
+            yield
 
     @property
     def engine(self) -> ZeroEngine:
@@ -361,7 +380,8 @@ class ZeroAccelerator(Accelerator):
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """Consolidated fp32 weights with the user's keys, on every rank (a collective: call
-        it on all ranks; ``save_model`` does)."""
+        it on all ranks). This holds the WHOLE model on every rank; ``save_model`` streams
+        from the shards instead."""
         zero = self._zero_model
         if zero is not None and (model is zero or model is zero.module):
             return self.engine.full_state_dict()
@@ -369,6 +389,24 @@ class ZeroAccelerator(Accelerator):
             if model is frozen or model is frozen.module:
                 return frozen.engine.full_state_dict()
         return super().get_state_dict(model, unwrap)
+
+    def save_model(self, model: nn.Module, save_directory: str | os.PathLike[str],
+                   max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> None:
+        """What Accelerate's ``save_model`` writes (the model's state dict under its own keys,
+        ``model.safetensors`` or shards and an index split at ``max_shard_size``, a tensor
+        named twice written once), streamed from the shards: the main process writes, each
+        tensor gathered onto it alone, a bucket at a time (a collective: call it on every
+        process)."""
+        zero = self._zero_model
+        if zero is None or not (model is zero or model is zero.module):
+            return super().save_model(model, save_directory, max_shard_size=max_shard_size,
+                                      safe_serialization=safe_serialization)
+        if not safe_serialization:
+            raise ValueError("save_model(safe_serialization=False) asks for pickled files; "
+                             "the ZeRO model is written as safetensors only")
+        save_hub(self.engine, save_directory, max_shard_bytes=parse_size(max_shard_size),
+                 layout=PlainLayout(drop_aliases=True))
+        return None
 
     # ------------------------------------------------------------------ checkpoints
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,

@@ -36,7 +36,8 @@ class ZeroFrozenModel(nn.Module):
         super().__init__()
         self.module = engine.module
         self.engine = engine  # not an nn.Module: a plain attribute
-        self._fp32_outputs = engine.config.precision.endswith("-mixed")
+        # As ZeroModel: outputs back in fp32, as Accelerate's autocast wrapper hands them.
+        self._fp32_outputs = engine.config.precision.endswith(("-mixed", "-autocast"))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Nothing is trained through it: no graph is kept, and the engine's runtime goes back

@@ -17,8 +17,9 @@ logging, evaluation, callbacks and data handling to ``Trainer``:
 - ``checkpoint-N/`` holds the consolidated weights (``save_pretrained``'s files), our sharded
   model and optimizer in ``zero_checkpoint/``, and Trainer's own scheduler, RNG and
   ``trainer_state.json``; ``resume_from_checkpoint`` reads the sharded copy, on any world size;
-- ``save_model()`` consolidates on every rank (a collective) and rank 0 writes what
-  ``save_pretrained`` writes (for a PEFT model, the adapter only);
+- ``save_model()`` (and the weights of every ``checkpoint-N/``) writes what
+  ``save_pretrained`` writes (for a PEFT model, the adapter only), streamed from the shards:
+  rank 0 writes, each tensor gathered onto it alone, a bucket at a time (a collective);
 - at stage 3, ``generate()`` (Trainer's evaluation, ``Seq2SeqTrainer``'s
   ``predict_with_generate``, TRL's ``unwrap_model_for_generation``) runs in the engine's
   generation mode: each unit gathered once per call and held while it fits
@@ -51,8 +52,10 @@ from ..accelerate import (
     ZeroPlugin,
     has_accelerator_device,
 )
-from . import compat, trl
+from . import compat, export, trl
 
+TRAINING_ARGS_FILE = "training_args.bin"
+"""Trainer's name for the pickled ``TrainingArguments`` beside a saved model."""
 SCHEDULER_FILE = "scheduler.pt"
 """Trainer's name for the LR scheduler's state inside ``checkpoint-N``."""
 
@@ -168,17 +171,42 @@ class ZeroTrainerMixin:
 
     # ------------------------------------------------------------------ saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """The consolidated weights in ``save_pretrained``'s format (a collective: call it on
-        every rank; Trainer's own callers do)."""
+        """What ``save_pretrained`` writes (for a PEFT model, its adapter), streamed from the
+        shards: each tensor gathered onto the process that saves, a bucket at a time, no rank
+        ever holding the whole model (a collective: call it on every rank; Trainer's own
+        callers do, ``checkpoint-N/`` included)."""
         engine = self.zero_engine
         if engine is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state_dict = engine.full_state_dict()
-        self._save(output_dir, state_dict=state_dict)
+        self._save_streamed(engine, output_dir)
         self.accelerator.wait_for_everyone()
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Trainer's writer, reached with a ``state_dict`` only by callers that consolidated
+        one themselves; without, once the engine exists, the weights stream from the shards
+        (``save_model``)."""
+        engine = self.zero_engine
+        if engine is None or state_dict is not None:
+            return super()._save(output_dir, state_dict=state_dict)
+        self._save_streamed(engine, output_dir if output_dir is not None
+                            else self.args.output_dir)
+        return None
+
+    def _save_streamed(self, engine: Any, output_dir: str) -> None:
+        """The weights (rank 0 writes), then what Trainer saves beside them on the saving
+        process: the processing class (or the collator's tokenizer) and the arguments."""
+        export.save_model(engine, output_dir)
+        if not self.args.should_save:
+            return
+        tokenizer = self.processing_class
+        if tokenizer is None and self.data_collator is not None:
+            tokenizer = getattr(self.data_collator, "tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_FILE))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.zero_engine is None:
