@@ -1,6 +1,7 @@
 """TRL's online trainers under ``with_zero``: GRPO (stages 2 and 3, CPU offload, streamed
-generation with ``synced_gpus``, LoRA), RLOO and online DPO (``trl.experimental``) against
-the same trainer under plain Trainer (DDP), two CPU processes, fp32, one torchrun launch
+generation with ``synced_gpus``, LoRA, ``sync_ref_model``, a reward model, TRL's default
+bf16), RLOO and online DPO (``trl.experimental``) against the same trainer under plain
+Trainer (DDP), two CPU processes, fp32 unless said, one torchrun launch
 (tests/worlds/trl_online_run.py). Rewards are a python function: no reward model download.
 
 Tolerance. Both runs draw the same samples (checked exactly: rewards, completion lengths and
@@ -32,7 +33,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "worlds" / "trl_online_run.py"
 GRPO_MODES = ["z2", "z3", "z3off", "z3stream"]
 SCENARIOS = ["grpo_ddp", *(f"grpo_{m}" for m in GRPO_MODES), "grpo_lora_ddp", "grpo_lora_z3",
              "grpo_sync_ddp", "grpo_sync_z2", "grpo_sync_z3", "grpo_rm_ddp", "grpo_rm_z3",
-             "rloo_ddp", "rloo_z3", "odpo_ddp", "odpo_z2", "odpo_z3"]
+             "grpo_bf16_ddp", "grpo_bf16_z3", "rloo_ddp", "rloo_z3", "odpo_ddp", "odpo_z2",
+             "odpo_z3"]
 # same samples: the same python rewards and completion lengths, exactly
 EXACT = ("reward", "completions/mean_length", "objective/scores", "val/contain_eos_token")
 KL = ("kl", "objective/kl", "rewards/margins")
@@ -173,3 +175,24 @@ def test_same_samples_as_ddp(runs: dict) -> None:
     assert torch.tensor(C.ok(runs["grpo_ddp"])["reward"]).std() > 0  # samples differ per step
     # The state tracks what was drawn: online DPO samples other shapes than GRPO, same seed.
     assert C.ok(runs["grpo_ddp"])["rng"] != C.ok(runs["odpo_ddp"])["rng"]
+
+
+def test_grpo_with_trls_default_bf16_matches_ddp(runs: dict) -> None:
+    """TRL's default bf16=True: autocast over fp32 weights under DDP, "bf16-autocast" under
+    the engine, the frozen reference's forward included (its shards fp32: half the model's
+    fp32 bytes per rank). Same samples and generator state; KL and losses at the fp32 bounds
+    (equal here: the reference sees the same weights and the same autocast). Gradient norms
+    within 1e-4: from step 2 the weights differ by fp32 ulps (reduction order), and where
+    that crosses a bf16 rounding boundary an activation moves by 2^-8 relative; over the
+    ~28k gradient elements such flips stay near 1e-5 of the norm (measured 5e-6). Weights are
+    not compared: Adam turns a flip in a near-zero gradient into an lr-sized step either way
+    (measured 8e-4 relative), which the fp32 runs above bound instead."""
+    ddp, z3 = C.ok(runs["grpo_bf16_ddp"]), C.ok(runs["grpo_bf16_z3"])
+    assert z3["rng"] == ddp["rng"] and z3["reward"] == ddp["reward"]
+    C.assert_close_lists(ddp["grad_norm"], z3["grad_norm"], "bf16 grad_norm", rtol=1e-4)
+    for i, (x, y) in enumerate(zip(ddp["loss"], z3["loss"], strict=True)):
+        assert abs(x - y) <= C.RTOL * max(abs(x), abs(y), 1.0), (i, x, y)
+    for i, (x, y) in enumerate(zip(ddp["kl"], z3["kl"], strict=True)):
+        assert abs(x - y) <= C.RTOL * max(abs(x), abs(y)) + KL_SLACK, (i, x, y)
+    assert ddp["kl"] != C.ok(runs["grpo_ddp"])["kl"]  # autocast did change the arithmetic
+    _assert_reference_sharded(z3)

@@ -160,8 +160,8 @@ def _grpo(mode: str, out: Path, lora: bool = False, tag: str = "",
     from trl import GRPOConfig, GRPOTrainer
 
     run = out / "_".join(["grpo", *(["lora"] if lora else []), *([tag] if tag else []), mode])
-    args = GRPOConfig(**_common(run), num_generations=4, max_completion_length=6, beta=0.1,
-                      temperature=1.0, disable_dropout=True, **config)
+    args = GRPOConfig(**{**_common(run), **config}, num_generations=4, max_completion_length=6,
+                      beta=0.1, temperature=1.0, disable_dropout=True)
     extra: dict[str, Any] = {}
     rewards: list[Any] = [reward_distinct]
     if reward_model:
@@ -252,6 +252,10 @@ for _mode in ("ddp", "z2", "z3"):
     SCENARIOS[f"grpo_sync_{_mode}"] = functools.partial(
         _grpo, _mode, tag="sync", sync_ref_model=True, ref_model_sync_steps=1,
         ref_model_mixup_alpha=0.5)
+for _mode in ("ddp", "z3"):
+    # TRL's default precision: bf16=True, autocast over fp32 weights under DDP and under the
+    # engine ("bf16-autocast"), the reference's forward too.
+    SCENARIOS[f"grpo_bf16_{_mode}"] = functools.partial(_grpo, _mode, tag="bf16", bf16=True)
 for _mode in ("ddp", "z3"):
     SCENARIOS[f"grpo_rm_{_mode}"] = functools.partial(_grpo, _mode, tag="rm", reward_model=True)
 
