@@ -340,7 +340,7 @@ def read_target(node: Node, start: int, end: int, read: Reader, out: torch.Tenso
     if not 0 <= start <= end <= node.numel or out.numel() != end - start:
         raise ValueError(f"range [{start}, {end}) of {list(node.shape)} into "
                          f"{out.numel()} elements")
-    leaves = node.leaves()
+    leaves = list({id(leaf): leaf for leaf in node.leaves()}.values())  # one may recur
     ids = {id(leaf): k for k, leaf in enumerate(leaves)}
     count, runs, lo, hi = _survey(node, start, end, ids, step)
     direct = [count[k] >= min_run * runs[k] for k in range(len(leaves))]
