@@ -1,7 +1,7 @@
 """Streaming a converted folder (Qwen3-MoE, experts saved one by one, fused in the model: about
 150 MB in fp32) into a stage-3 engine at N=2: each rank's peak RSS growth against the bound
-docs/pretrained.md states, and against ``Model.from_pretrained`` + the engine. Measured at
-00:15 UTC on the 2-core machine: 122-126 MiB streamed (shard 79 + unit 48) against 362 MiB for
+docs/pretrained.md states, and against ``Model.from_pretrained`` + the engine. Measured on the
+2-core machine: 122-126 MiB streamed (shard 79 + unit 48) against 362 MiB for
 ``Model.from_pretrained`` + the engine, 157 MiB of model. About 2.5 minutes on 2 busy cores.
 """
 

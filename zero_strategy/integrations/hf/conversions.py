@@ -22,6 +22,10 @@ from ...checkpoint.errors import CheckpointError
 _ADVICE = ("load it whole instead: model = {cls}.from_pretrained(path), then build the engine "
            "on that model (every rank then holds the whole model once while it is sharded)")
 
+STREAMED_FROM = (5, 23)
+"""The transformers release whose operations (signatures and semantics) are replayed here, each
+tested against its own ``convert``; an older one's converted keys are refused by name."""
+
 ShapeOf = Callable[[str], Any]
 """A target key (as transformers names it) -> the model's shape for it, or None when the model
 has no such key (after adding or stripping the base-model prefix)."""
@@ -40,7 +44,19 @@ def planner(model: nn.Module) -> Callable[..., cv.ConversionPlan] | None:
     if not converters:
         return None
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    return _Planner(renamings, converters, getattr(model, "config", None), type(model).__name__)
+    planner = _Planner(renamings, converters, getattr(model, "config", None),
+                       type(model).__name__)
+    return planner if _release() >= STREAMED_FROM else planner.refuse_all
+
+
+def _release() -> tuple[int, ...]:
+    import transformers
+
+    parts = []
+    for part in transformers.__version__.split(".")[:2]:
+        digits = "".join(c for c in part if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
 
 
 def _natural(key: str) -> list[tuple[int, int | str]]:
@@ -57,6 +73,31 @@ class _Planner:
         self.cls = cls
 
     def __call__(self, folder: Any, shape_of: ShapeOf) -> cv.ConversionPlan:
+        plan = cv.ConversionPlan()
+        for name, (converter, collected) in self._groups(folder, shape_of).items():
+            targets = _Group(self, folder, shape_of, name, converter, collected).targets()
+            plan.targets.update(targets)
+            for keys in collected.values():
+                for key in keys:
+                    plan.consumed[key] = list(targets)
+        return plan
+
+    def refuse_all(self, folder: Any, shape_of: ShapeOf) -> cv.ConversionPlan:
+        """The planner under a transformers older than ``STREAMED_FROM``."""
+        import transformers
+
+        for name, (converter, collected) in self._groups(folder, shape_of).items():
+            group = _Group(self, folder, shape_of, name, converter, collected)
+            raise group.refuse(converter.operations[0], (
+                f"converted tensors stream from transformers "
+                f"{'.'.join(map(str, STREAMED_FROM))} on (installed: "
+                f"{transformers.__version__}): upgrade it"))
+        return cv.ConversionPlan()
+
+    def _groups(self, folder: Any, shape_of: ShapeOf
+                ) -> dict[str, tuple[Any, dict[str, list[str]]]]:
+        """Folder keys a converter takes, grouped by the target they make, as transformers
+        groups them (every renaming, then the first converter that matches)."""
         groups: dict[str, tuple[Any, dict[str, list[str]]]] = {}
         for key in sorted(folder.keys(), key=_natural):
             renamed = key
@@ -72,14 +113,7 @@ class _Planner:
             converter, collected = groups.setdefault(
                 renamed, (self.by_pattern[pattern], {}))
             collected.setdefault(pattern, []).append(key)
-        plan = cv.ConversionPlan()
-        for name, (converter, collected) in groups.items():
-            targets = _Group(self, folder, shape_of, name, converter, collected).targets()
-            plan.targets.update(targets)
-            for keys in collected.values():
-                for key in keys:
-                    plan.consumed[key] = list(targets)
-        return plan
+        return groups
 
 
 class _Group:
