@@ -265,7 +265,7 @@ def test_each_operation_replays_transformers_own(tmp_path: Path, case: str) -> N
     tensors = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
     theirs = _transformers_convert(converter, tensors, _Model(model_shapes))
     folder = _folder(tmp_path / name, tensors)
-    plan = hf_conv._Planner([], [converter], _Config(), "Model")(
+    plan = hf_conv._Planner([], [converter], _Config(), "Model", core.dot_natural_key)(
         folder, lambda k: model_shapes.get(k, ()))
     assert sorted(plan.targets) == sorted(theirs)
     for key, node in plan.targets.items():
@@ -289,7 +289,8 @@ def test_an_operation_without_a_streamed_form_is_refused_by_name(tmp_path: Path)
     folder = _folder(tmp_path, {"l.0.mix.weight": torch.zeros(4, 2)})
     converter = core.WeightConverter("mix.weight", "mixed.weight", [_Opaque()])
     with pytest.raises(CheckpointError) as e:
-        hf_conv._Planner([], [converter], _Config(), "TinyModel")(folder, lambda k: None)
+        hf_conv._Planner([], [converter], _Config(), "TinyModel", core.dot_natural_key)(
+            folder, lambda k: ())
     text = str(e.value)
     assert "_Opaque" in text and "'l.0.mix.weight'" in text and str(folder.path) in text
     assert "TinyModel.from_pretrained(path)" in text and "no streamed form" in text
@@ -300,7 +301,8 @@ def test_shapes_an_operation_cannot_take_are_refused_before_reading(tmp_path: Pa
     converter = core.WeightConverter("mlp.experts.w13_weight", "mlp.experts.gate_up_proj",
                                      [core.Interleave(dim=1)])
     with pytest.raises(CheckpointError, match=r"Interleave .*odd"):
-        hf_conv._Planner([], [converter], _Config(), "M")(folder, lambda k: None)
+        hf_conv._Planner([], [converter], _Config(), "M", core.dot_natural_key)(
+            folder, lambda k: ())
 
 
 def test_a_converted_tensor_of_the_wrong_shape_is_refused(tmp_path: Path) -> None:
@@ -346,3 +348,26 @@ def test_equals_transformers_from_pretrained(world: tuple[int, dict]) -> None:
             assert r["missing"] == r["ref_missing"], where
             assert r["unexpected"] == r["ref_unexpected"], where
             assert ("indexed" in name or "mixtral" in name) == (r["files"] > 1), where
+
+
+def test_converted_keys_the_model_lacks_are_reported_as_transformers_reports_them(
+        tmp_path: Path) -> None:
+    """A two-layer MoE folder loaded as one layer: layer 1's experts are unexpected, named
+    by the targets they would have made, exactly as transformers names them."""
+    import transformers as tf
+
+    from zero_strategy.integrations.hf.pretrained import from_pretrained
+
+    config = tf.MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=24,
+                              num_hidden_layers=2, num_attention_heads=2,
+                              num_key_value_heads=1, num_local_experts=3,
+                              num_experts_per_tok=1)
+    tf.MixtralForCausalLM(config).save_pretrained(tmp_path)
+    _, theirs = tf.MixtralForCausalLM.from_pretrained(tmp_path, num_hidden_layers=1,
+                                                      output_loading_info=True)
+    with pytest.warns(UserWarning, match="were not used"):
+        _, ours = from_pretrained(tf.MixtralForCausalLM, tmp_path, num_hidden_layers=1,
+                                  output_loading_info=True)
+    assert ours["unexpected_keys"] == theirs["unexpected_keys"]
+    assert "model.layers.1.mlp.experts.gate_up_proj" in ours["unexpected_keys"]
+    assert ours["missing_keys"] == theirs["missing_keys"] == set()

@@ -115,6 +115,8 @@ class ConversionPlan:
 
     targets: dict[str, Node] = field(default_factory=dict)
     consumed: dict[str, list[str]] = field(default_factory=dict)
+    unexpected: list[str] = field(default_factory=list)
+    """Targets the model lacks (reported, as transformers reports them, by their names)."""
 
 
 # ---------------------------------------------------------------------------- building

@@ -230,13 +230,14 @@ def resolve(model: dict[str, tuple[int, torch.Size, torch.dtype]], folder: Pretr
     after checking every pair's shape and dtype."""
     plan = _plan(model, folder, key_map)
     targets: dict[str, str | Node] = {}
-    unexpected = []
+    unexpected = list(plan.unexpected)
     named = [(k, k) for k in sorted(folder.keys()) if k not in plan.consumed]
     for key, value in [*named, *plan.targets.items()]:
         target = _model_key(key, model, key_map if isinstance(value, str)
                             else replace(key_map, rename=None))
-        if target is None:
-            unexpected.append(key)
+        if target is None:  # named as transformers names it: after its renamings
+            unexpected.append(key_map.rename(key) if key_map.rename is not None
+                              and isinstance(value, str) else key)
         elif target in targets:
             raise CheckpointError(f"{_file_of(folder, value)}: tensors {_name(targets[target])}"
                                   f" and {_name(value)} both load model key {target!r}")

@@ -36,7 +36,11 @@ def planner(model: nn.Module) -> Callable[..., cv.ConversionPlan] | None:
     class (or is too old to have conversion mappings)."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            dot_natural_key,
+        )
     except ImportError:
         return None
     transforms = get_model_conversion_mapping(model, None, None)
@@ -45,7 +49,7 @@ def planner(model: nn.Module) -> Callable[..., cv.ConversionPlan] | None:
         return None
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     planner = _Planner(renamings, converters, getattr(model, "config", None),
-                       type(model).__name__)
+                       type(model).__name__, dot_natural_key)
     return planner if _release() >= STREAMED_FROM else planner.refuse_all
 
 
@@ -59,13 +63,12 @@ def _release() -> tuple[int, ...]:
     return tuple(parts)
 
 
-def _natural(key: str) -> list[tuple[int, int | str]]:
-    """transformers' ``dot_natural_key``: ``experts.10`` after ``experts.9``."""
-    return [(0, int(p)) if p.isdigit() else (1, p) for p in key.split(".")]
-
-
 class _Planner:
-    def __init__(self, renamings: list, converters: list, config: Any, cls: str) -> None:
+    def __init__(self, renamings: list, converters: list, config: Any, cls: str,
+                 order: Callable[[str], Any]) -> None:
+        self.order = order
+        """transformers' key order (``experts.10`` after ``experts.9``): the order tensors
+        are stacked and concatenated in."""
         self.renamings = renamings
         self.converters = converters
         self.by_pattern = {p: c for c in converters for p in c.source_patterns}
@@ -75,6 +78,11 @@ class _Planner:
     def __call__(self, folder: Any, shape_of: ShapeOf) -> cv.ConversionPlan:
         plan = cv.ConversionPlan()
         for name, (converter, collected) in self._groups(folder, shape_of).items():
+            if shape_of(name) is None:  # transformers reports the targets, converts nothing
+                first = converter.target_patterns[0]
+                plan.unexpected += [name.replace(first, t) for t in converter.target_patterns]
+                plan.consumed.update((k, []) for keys in collected.values() for k in keys)
+                continue
             targets = _Group(self, folder, shape_of, name, converter, collected).targets()
             plan.targets.update(targets)
             for keys in collected.values():
@@ -99,7 +107,7 @@ class _Planner:
         """Folder keys a converter takes, grouped by the target they make, as transformers
         groups them (every renaming, then the first converter that matches)."""
         groups: dict[str, tuple[Any, dict[str, list[str]]]] = {}
-        for key in sorted(folder.keys(), key=_natural):
+        for key in sorted(folder.keys(), key=self.order):
             renamed = key
             for renaming in self.renamings:
                 renamed, _ = renaming.rename_source_key(renamed)
