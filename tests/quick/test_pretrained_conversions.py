@@ -133,6 +133,9 @@ def test_a_rank_reads_only_its_experts_and_at_most_one_source_at_once() -> None:
     ups = [cv.source(f"u{e}", (inter, hidden), torch.float32) for e in range(experts)]
     node = cv.cat([cv.stack(gates, 0), cv.stack(ups, 0)], 1)
     tensors = _tensors_for(node, torch.Generator().manual_seed(1))
+    assert cv.block(node) == inter * hidden  # mapped one expert's tensor at a time
+    assert cv.block(cv.interleave(node, 1, False)) == hidden  # a row at a time
+    assert cv.block(cv.transpose(node, 1, 2)) == 1
     per = 2 * inter * hidden
     a, b = 3 * per, 6 * per
     for min_run, expect_reads in ((inter * hidden, 6), (10**9, 6)):

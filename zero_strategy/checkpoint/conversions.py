@@ -5,14 +5,17 @@ experts saved as one ``gate_proj`` and one ``up_proj`` per expert, a ``qkv`` sav
 A converted tensor is described here as index rearrangements over its sources (``Source``,
 ``Cat``, ``Narrow``, ``Transpose``, ``Reshape``; the helpers below build transformers' ops from
 them), never computed whole: ``read_target`` fills any flat element range [start, end) of the
-target by mapping its coordinates back to (source, flat source index) a bounded chunk at a
-time, merging consecutive indices of one source into contiguous reads.
+target by mapping its coordinates back to (source, flat source index), one ``block`` at a
+time (the largest aligned size always consecutive in one source: a whole expert's matrix in a
+fused ``gate_up_proj``, a row of an interleaved one, one element of a transposed one), a
+bounded batch at a time, merging consecutive indices of one source into contiguous reads.
 
-Memory (the stated bound): besides the output range itself, one call holds at most
-``max_source_numel`` elements of one source's stored dtype (a source's span needed by the
-range, cached while runs within it are short, or a long run cast to the target dtype) plus
-index scratch of ``CHUNK`` elements (about 12 int64 tensors of it: ~12 MiB). A source read in
-runs of ``MIN_RUN`` elements or more of the target's dtype is read straight into place.
+Memory (the stated bound): besides the output range itself, one call holds at most as many
+elements as the largest source tensor it reads from, in that source's dtype (a source's span
+that the range needs, kept while its runs are short, or a chunk of a long run being cast),
+plus index scratch for ``CHUNK`` elements (a dozen int64 tensors of at most that length:
+~12 MiB). A source whose runs average ``MIN_RUN`` elements or more, in the target's dtype, is
+read straight into place.
 
 Nothing here knows transformers: ``integrations/hf/conversions.py`` turns its ops into these.
 """
@@ -296,39 +299,71 @@ Reader = Callable[..., torch.Tensor]
 """``read(key, start, end, out=None)``: flat elements [start, end) of a stored tensor."""
 
 
-def _runs(leaf: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """Positions where a run of consecutive indices of one source starts, and the end."""
-    brk = (leaf[1:] != leaf[:-1]) | (src[1:] != src[:-1] + 1)
+def block(node: Node) -> int:
+    """The largest size b such that every aligned b elements of ``node`` (flat) are
+    consecutive elements of one source: a whole expert's ``gate_proj`` in a fused
+    ``gate_up_proj``, one row of an interleaved tensor, one element of a transposed one.
+    Coordinates are then mapped one block at a time instead of one element."""
+    if isinstance(node, Source):
+        return max(node.numel, 1)
+    if isinstance(node, Reshape):  # the same flat index
+        return block(node.child)
+    if isinstance(node, Narrow):
+        _, n, inner = _around(node.shape, node.dim)
+        return math.gcd(n * inner, node.child.shape[node.dim] * inner, node.start * inner,
+                        block(node.child))
+    if isinstance(node, Transpose):  # the dims after both are copied as they are
+        return math.gcd(math.prod(node.shape[node.dim1 + 1:]), block(node.child))
+    _, _, inner = _around(node.shape, node.dim)
+    return math.gcd(*(p.shape[node.dim] * inner for p in node.parts),
+                    *(block(p) for p in node.parts))
+
+
+class _Pieces:
+    """[start, end) of a node as pieces (aligned blocks, clipped to the range): each one's
+    offset in the range, source, first source index and length, a bounded batch at a time."""
+
+    def __init__(self, node: Node, start: int, end: int, ids: dict[int, int], step: int
+                 ) -> None:
+        self.node, self.start, self.end, self.ids = node, start, end, ids
+        self.size = block(node)
+        self.per = max(1, step // self.size)
+
+    def __iter__(self):
+        first, last = self.start // self.size, -(-self.end // self.size)
+        for q in range(first, last, self.per):
+            heads = torch.arange(q, min(q + self.per, last), dtype=torch.int64) * self.size
+            lo = heads.clamp(min=self.start)
+            length = (heads + self.size).clamp(max=self.end) - lo
+            leaf, src = locate(self.node, heads, self.ids)
+            yield lo - self.start, leaf, src + (lo - heads), length
+
+
+def _runs(leaf: torch.Tensor, src: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """Indices of the pieces that start a run (consecutive indices of one source), and the
+    number of pieces."""
+    brk = (leaf[1:] != leaf[:-1]) | (src[1:] != src[:-1] + length[:-1])
     return torch.cat([torch.zeros(1, dtype=torch.int64), brk.nonzero().flatten() + 1,
                       torch.tensor([leaf.numel()])])
 
 
-def _chunks(start: int, end: int, step: int):
-    for a in range(start, end, step):
-        yield a, min(a + step, end)
-
-
-def _survey(node: Node, start: int, end: int, ids: dict[int, int], step: int
-            ) -> tuple[list[int], list[int], list[int], list[int]]:
+def _survey(pieces: _Pieces, n: int) -> tuple[list[int], list[int], list[int], list[int]]:
     """Per source: elements the range takes from it, runs, lowest and highest index."""
-    n = len(ids)
     count, runs = [0] * n, [0] * n
     lo, hi = [-1] * n, [-1] * n
-    for a, b in _chunks(start, end, step):
-        leaf, src = locate(node, torch.arange(a, b, dtype=torch.int64), ids)
-        bounds = _runs(leaf, src)
-        got = torch.bincount(leaf, minlength=n).tolist()
+    for _, leaf, src, length in pieces:
+        bounds = _runs(leaf, src, length)
+        got = torch.zeros(n, dtype=torch.int64).index_add_(0, leaf, length).tolist()
         started = torch.bincount(leaf[bounds[:-1]], minlength=n).tolist()
         low = torch.full((n,), -1, dtype=torch.int64).scatter_reduce(
             0, leaf, src, "amin", include_self=False).tolist()
         high = torch.full((n,), -1, dtype=torch.int64).scatter_reduce(
-            0, leaf, src, "amax", include_self=False).tolist()
-        for k in range(n):
-            if got[k]:
-                count[k] += got[k]
-                runs[k] += started[k]
-                lo[k] = low[k] if lo[k] < 0 else min(lo[k], low[k])
-                hi[k] = max(hi[k], high[k])
+            0, leaf, src + length - 1, "amax", include_self=False).tolist()
+        for k in (k for k in range(n) if got[k]):
+            count[k] += got[k]
+            runs[k] += started[k]
+            lo[k] = low[k] if lo[k] < 0 else min(lo[k], low[k])
+            hi[k] = max(hi[k], high[k])
     return count, runs, lo, hi
 
 
@@ -342,53 +377,73 @@ def read_target(node: Node, start: int, end: int, read: Reader, out: torch.Tenso
     if not 0 <= start <= end <= node.numel or out.numel() != end - start:
         raise ValueError(f"range [{start}, {end}) of {list(node.shape)} into "
                          f"{out.numel()} elements")
+    if start == end:
+        return out
     leaves = list({id(leaf): leaf for leaf in node.leaves()}.values())  # one may recur
     ids = {id(leaf): k for k, leaf in enumerate(leaves)}
-    count, runs, lo, hi = _survey(node, start, end, ids, step)
+    pieces = _Pieces(node, start, end, ids, step)
+    count, runs, lo, hi = _survey(pieces, len(leaves))
     direct = [count[k] >= min_run * runs[k] for k in range(len(leaves))]
-    budget = max((leaf.numel for leaf, c in zip(leaves, count) if c), default=0)
-    cache: OrderedDict[int, torch.Tensor] = OrderedDict()
-    for a, b in _chunks(start, end, step):
-        leaf, src = locate(node, torch.arange(a, b, dtype=torch.int64), ids)
-        bounds = _runs(leaf, src).tolist()
-        present = torch.unique(leaf).tolist()
-        if any(direct[k] for k in present):
-            _read_runs(leaves, direct, leaf, src, bounds, read, out, a - start, step)
-        for k in (k for k in present if not direct[k]):
-            buf = _cached(cache, k, leaves[k], lo[k], hi[k] + 1, read, budget)
-            pos = (leaf == k).nonzero().flatten()
-            values = buf[src[pos] - lo[k]].to(device=out.device, dtype=out.dtype)
-            out.index_copy_(0, (pos + (a - start)).to(out.device), values)
+    cache = _Spans(read, max((leaf.numel for leaf, c in zip(leaves, count) if c), default=0))
+    is_direct = torch.tensor(direct)
+    for pos, leaf, src, length in pieces:
+        bounds = _runs(leaf, src, length)
+        heads = bounds[:-1]
+        ends = torch.cumsum(length, 0)[bounds[1:] - 1] + pos[0]
+        keep = is_direct[leaf[heads]] | (pieces.size >= step)  # runs copied one by one
+        for p, e, k, s in zip(pos[heads][keep].tolist(), ends[keep].tolist(),
+                              leaf[heads][keep].tolist(), src[heads][keep].tolist()):
+            if direct[k]:
+                _read_run(leaves[k], s, out[p:e], read, step)
+            else:
+                span = cache.get(k, leaves[k], lo[k], hi[k] + 1)
+                out[p:e].copy_(span[s - lo[k]: s - lo[k] + e - p])
+        if pieces.size >= step:
+            continue
+        short = torch.bincount(leaf[heads][~keep], minlength=len(leaves))
+        for k in short.nonzero().flatten().tolist():  # short runs: gathered at once
+            span = cache.get(k, leaves[k], lo[k], hi[k] + 1)
+            sel = (leaf == k).nonzero().flatten()
+            at, index = _elements(pos[sel], src[sel] - lo[k], length[sel])
+            out.index_copy_(0, at.to(out.device), span[index].to(out.device, out.dtype))
     return out
 
 
-def _read_runs(leaves: list[Source], direct: list[bool], leaf: torch.Tensor,
-               src: torch.Tensor, bounds: list[int], read: Reader, out: torch.Tensor,
-               base: int, step: int) -> None:
-    firsts = leaf[bounds[:-1]].tolist()
-    starts = src[bounds[:-1]].tolist()
-    for p, q, k, s in zip(bounds[:-1], bounds[1:], firsts, starts):
-        if not direct[k]:
-            continue
-        leaf_node = leaves[k]
-        place = out[base + p: base + q]
-        if out.device.type == "cpu" and out.dtype == leaf_node.dtype and place.is_contiguous():
-            read(leaf_node.key, s, s + q - p, out=place)
-            continue
-        for i in range(0, q - p, step):  # a cast copy of at most one chunk at a time
-            n = min(step, q - p - i)
-            place[i:i + n].copy_(read(leaf_node.key, s + i, s + i + n).reshape(-1))
+def _elements(pos: torch.Tensor, src: torch.Tensor, length: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pieces as elements: each one's offset and source index (fewer than ``step`` of them:
+    pieces are batched by ``step // block``)."""
+    which = torch.repeat_interleave(torch.arange(length.numel()), length)
+    within = torch.arange(which.numel()) - (torch.cumsum(length, 0) - length)[which]
+    return pos[which] + within, src[which] + within
 
 
-def _cached(cache: OrderedDict[int, torch.Tensor], k: int, leaf: Source, lo: int, hi: int,
-            read: Reader, budget: int) -> torch.Tensor:
-    if k in cache:
-        cache.move_to_end(k)
-        return cache[k]
-    while cache and sum(t.numel() for t in cache.values()) + hi - lo > budget:
-        cache.popitem(last=False)
-    cache[k] = read(leaf.key, lo, hi).reshape(-1)
-    return cache[k]
+def _read_run(leaf: Source, first: int, place: torch.Tensor, read: Reader, step: int) -> None:
+    n = place.numel()
+    if place.device.type == "cpu" and place.dtype == leaf.dtype and place.is_contiguous():
+        read(leaf.key, first, first + n, out=place)
+        return
+    for i in range(0, n, step):  # a cast copy of at most one chunk at a time
+        m = min(step, n - i)
+        place[i:i + m].copy_(read(leaf.key, first + i, first + i + m).reshape(-1))
+
+
+class _Spans:
+    """The spans of sources read in short runs, least recently used dropped first, never
+    more than ``budget`` elements together (the largest source the range reads)."""
+
+    def __init__(self, read: Reader, budget: int) -> None:
+        self.read, self.budget = read, budget
+        self.held: OrderedDict[int, torch.Tensor] = OrderedDict()
+
+    def get(self, k: int, leaf: Source, lo: int, hi: int) -> torch.Tensor:
+        if k in self.held:
+            self.held.move_to_end(k)
+            return self.held[k]
+        while self.held and sum(t.numel() for t in self.held.values()) + hi - lo > self.budget:
+            self.held.popitem(last=False)
+        self.held[k] = self.read(leaf.key, lo, hi).reshape(-1)
+        return self.held[k]
 
 
 def materialize(node: Node, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
