@@ -374,3 +374,17 @@ def test_converted_keys_the_model_lacks_are_reported_as_transformers_reports_the
     assert ours["unexpected_keys"] == theirs["unexpected_keys"]
     assert "model.layers.1.mlp.experts.gate_up_proj" in ours["unexpected_keys"]
     assert ours["missing_keys"] == theirs["missing_keys"] == set()
+
+
+def test_every_operation_in_transformers_mappings_streams_or_is_named() -> None:
+    """Every operation transformers' own conversion mappings use has a streamed form, but the
+    Ernie-VL experts' fuse-and-split (a vision-language model, refused by name as any other)."""
+    mapping = pytest.importorskip("transformers.conversion_mapping")
+    build = getattr(mapping, "_build_checkpoint_conversion_mapping", None)
+    if build is None:
+        pytest.skip("this transformers builds its mappings another way")
+    used = {type(op).__name__ for transforms in build().values() for t in transforms
+            if isinstance(t, core.WeightConverter) for op in t.operations}
+    assert used - set(hf_conv._HANDLERS) <= {"ErnieFuseAndSplitTextVisionExperts"}, used
+    assert {"MergeModulelist", "Concatenate", "Chunk", "Interleave", "Transpose",
+            "PermuteForRope", "Split"} <= used
