@@ -158,6 +158,12 @@ def test_a_rank_reads_only_its_experts_and_at_most_one_source_at_once() -> None:
 # ---------------------------------------------------------------------------- transformers ops
 core = pytest.importorskip("transformers.core_model_loading")
 hf_conv = pytest.importorskip("zero_strategy.integrations.hf.conversions")
+needs_streaming = pytest.mark.skipif(  # the range reads above need no transformers
+    hf_conv._release() < hf_conv.STREAMED_FROM,
+    reason="converted keys stream from transformers 5.23 on (older ones refuse them by name)")
+CASES = ["merge_concat", "merge", "chunk", "interleave", "interleave_chunk", "transpose",
+         "transpose_check_same", "transpose_check_differs", "chunk_rope", "rope", "split",
+         "concatenate", "split_modulelist", "conv3d"]
 
 
 class _Config:
@@ -261,9 +267,13 @@ def _transformers_convert(converter: Any, tensors: dict[str, torch.Tensor],
     return out
 
 
-@pytest.mark.parametrize("case", [c[0] for c in _cases()])
+@needs_streaming
+@pytest.mark.parametrize("case", CASES)
 def test_each_operation_replays_transformers_own(tmp_path: Path, case: str) -> None:
-    name, converter, shapes, model_shapes = next(c for c in _cases() if c[0] == case)
+    found = [c for c in _cases() if c[0] == case]
+    if not found:
+        pytest.skip(f"this transformers has no {case}")
+    name, converter, shapes, model_shapes = found[0]
     gen = torch.Generator().manual_seed(3)
     tensors = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
     theirs = _transformers_convert(converter, tensors, _Model(model_shapes))
@@ -288,6 +298,7 @@ class _Opaque(core.ConversionOps):
         return input_dict
 
 
+@needs_streaming
 def test_an_operation_without_a_streamed_form_is_refused_by_name(tmp_path: Path) -> None:
     folder = _folder(tmp_path, {"l.0.mix.weight": torch.zeros(4, 2)})
     converter = core.WeightConverter("mix.weight", "mixed.weight", [_Opaque()])
@@ -299,6 +310,7 @@ def test_an_operation_without_a_streamed_form_is_refused_by_name(tmp_path: Path)
     assert "TinyModel.from_pretrained(path)" in text and "no streamed form" in text
 
 
+@needs_streaming
 def test_shapes_an_operation_cannot_take_are_refused_before_reading(tmp_path: Path) -> None:
     folder = _folder(tmp_path, {"e.mlp.experts.w13_weight": torch.zeros(2, 5, 3)})
     converter = core.WeightConverter("mlp.experts.w13_weight", "mlp.experts.gate_up_proj",
@@ -308,6 +320,7 @@ def test_shapes_an_operation_cannot_take_are_refused_before_reading(tmp_path: Pa
             folder, lambda k: ())
 
 
+@needs_streaming
 def test_a_converted_tensor_of_the_wrong_shape_is_refused(tmp_path: Path) -> None:
     import transformers as tf
 
@@ -337,6 +350,7 @@ def world(request: pytest.FixtureRequest) -> tuple[int, dict]:
     return n, run_world(WORLD, n, env={"ZS_ONLY": ",".join(WORLDS[n])})
 
 
+@needs_streaming
 def test_equals_transformers_from_pretrained(world: tuple[int, dict]) -> None:
     n, results = world
     for name in WORLDS[n]:
@@ -353,6 +367,7 @@ def test_equals_transformers_from_pretrained(world: tuple[int, dict]) -> None:
             assert ("indexed" in name or "mixtral" in name) == (r["files"] > 1), where
 
 
+@needs_streaming
 def test_converted_keys_the_model_lacks_are_reported_as_transformers_reports_them(
         tmp_path: Path) -> None:
     """A two-layer MoE folder loaded as one layer: layer 1's experts are unexpected, named
@@ -376,6 +391,7 @@ def test_converted_keys_the_model_lacks_are_reported_as_transformers_reports_the
     assert ours["missing_keys"] == theirs["missing_keys"] == set()
 
 
+@needs_streaming
 def test_every_operation_in_transformers_mappings_streams_or_is_named() -> None:
     """Every operation transformers' own conversion mappings use has a streamed form, but the
     Ernie-VL experts' fuse-and-split (a vision-language model, refused by name as any other)."""
