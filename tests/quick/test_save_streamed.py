@@ -35,12 +35,8 @@ def _assert_saved(name: str, results: list[Any]) -> None:
         assert r["files"] == r["ref_files"], where
         assert r["differ_files"] == [], where
         assert r["differ_transformers"] == [], where
-        streamed = r["differ_streamed"]
-        # Until our streamed loader applies transformers' conversions, it refuses a MoE
-        # folder by name (checkpoint/pretrained.py); anything else must read back equal.
-        assert streamed == [] or (name.startswith("moe") and len(streamed) == 1
-                                  and "needs transformers' weight conversion" in streamed[0]), \
-            f"{where}: {streamed}"
+        # Our streamed loader reads it back through transformers' conversions (MoE too).
+        assert r["differ_streamed"] == [], f"{where}: {r['differ_streamed']}"
         assert r["config_dtype"] == "float32", where
         if "weight_map_equal" in r:
             ours, theirs = r["metadata"]
