@@ -16,7 +16,7 @@ import torch
 from tests.support.harness import scenario
 from tests.support.models import tiny_gpt2
 from zero_strategy.accelerate import ZeroAccelerator, ZeroPlugin
-from zero_strategy.integrations.accelerate.frozen import ZeroFrozenModel
+from zero_strategy.integrations.accelerate.models import ZeroFrozenModel
 
 PROMPT = torch.tensor([[5, 9, 2, 7]])
 NEW_TOKENS = 5

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import DynamoBackend, InitProcessGroupKwargs, convert_to_fp32
+from accelerate.utils import DynamoBackend, InitProcessGroupKwargs
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -31,7 +31,8 @@ from ...comm import collectives
 from ...core.precision import make_policy
 from ...engine import ZeroEngine
 from ..step_turns import StepTurns
-from .frozen import ZeroFrozenModel, build_frozen
+from .frozen import build_frozen
+from .models import ZeroFrozenModel, ZeroModel
 from .plugin import ZeroPlugin
 from .state import (
     CHECKPOINT_SUBDIR,
@@ -43,46 +44,6 @@ from .state import (
 
 
 # ---------------------------------------------------------------------------------- wrappers
-class ZeroModel(nn.Module):
-    """What ``prepare`` returns for the model: calls go through the engine.
-
-    ``module`` is the user's model (``named_parameters`` carry a ``module.`` prefix, as with
-    DDP); at stage 3 its parameter storage is freed between uses, so read weights through
-    ``accelerator.get_state_dict(model)`` rather than the module.
-    """
-
-    def __init__(self, engine: ZeroEngine) -> None:
-        super().__init__()
-        self.module = engine.module
-        self.engine = engine  # not an nn.Module: a plain attribute
-        # Accelerate hands mixed-precision outputs back in fp32 (so the loss is fp32); do the same.
-        self._fp32_outputs = engine.config.precision.endswith(("-mixed", "-autocast"))
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        output = self.engine(*args, **kwargs)
-        return convert_to_fp32(output) if self._fp32_outputs else output
-
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        return self.engine.no_sync()
-
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
-                   keep_vars: bool = False) -> dict[str, torch.Tensor]:
-        """Consolidated fp32 weights (a collective: every rank must call it), ``module.`` keys."""
-        full = self.engine.full_state_dict()
-        return {f"{prefix}module.{key}": value for key, value in full.items()}
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """A full state dict (``module.`` keys as ``state_dict()`` writes them, or the user
-        model's own keys) into the shards; checked before anything is written."""
-        if assign:
-            raise ValueError("assign=True would replace tensors the ZeRO engine owns; load "
-                             "with assign=False")
-        prefix = "module."
-        if state_dict and all(k.startswith(prefix) for k in state_dict):
-            state_dict = {k[len(prefix):]: v for k, v in state_dict.items()}
-        return self.engine.load_state_dict(state_dict, strict=strict)
-
-
 class ZeroOptimizer(AcceleratedOptimizer):
     """What ``prepare`` returns for each optimizer: ``step``/``zero_grad`` drive the engine on
     the micro-batches where Accelerate synchronises gradients, and do nothing on the others.

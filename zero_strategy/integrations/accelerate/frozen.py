@@ -16,49 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
 
 import torch
-from accelerate.utils import convert_to_fp32
 from torch import nn
 
 from ...checkpoint import pretrained as checkpoint_pretrained
 from ...config import ZeroConfig
 from ...engine import ZeroEngine
-
-
-class ZeroFrozenModel(nn.Module):
-    """What ``prepare_model(model, evaluation_mode=True)`` returns at stage 3: calls go through
-    a frozen engine, under ``torch.no_grad()``. Attributes it lacks (``config``, ``generate``,
-    ``get_output_embeddings``) are the model's, as a DeepSpeed engine forwards them."""
-
-    def __init__(self, engine: ZeroEngine) -> None:
-        super().__init__()
-        self.module = engine.module
-        self.engine = engine  # not an nn.Module: a plain attribute
-        # As ZeroModel: outputs back in fp32, as Accelerate's autocast wrapper hands them.
-        self._fp32_outputs = engine.config.precision.endswith(("-mixed", "-autocast"))
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        # Nothing is trained through it: no graph is kept, and the engine's runtime goes back
-        # to idle after the forward instead of waiting for a backward.
-        with torch.no_grad():
-            output = self.engine(*args, **kwargs)
-        return convert_to_fp32(output) if self._fp32_outputs else output
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name in ("module", "engine"):
-                raise
-            return getattr(self.module, name)
-
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
-                   keep_vars: bool = False) -> dict[str, torch.Tensor]:
-        """Consolidated weights (a collective: every rank must call it), ``module.`` keys."""
-        full = self.engine.full_state_dict()
-        return {f"{prefix}module.{key}": value for key, value in full.items()}
+from .models import ZeroFrozenModel
 
 
 def frozen_config(config: ZeroConfig, index: int) -> ZeroConfig:
