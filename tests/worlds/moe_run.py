@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script by torchrun
     sys.path.insert(0, str(ROOT))
 
-from tests.worlds import transformers_run as T  # noqa: E402
 from tests.support.moe_configs import VOCAB, config, count_routes  # noqa: E402
+from tests.worlds import transformers_run as T  # noqa: E402
 from zero_strategy.transformers import ZeroPlugin, ZeroTrainer  # noqa: E402
 
 STEPS = 3
@@ -94,6 +94,7 @@ def _moe(family: str, mode: str, out: Path, experts: str | None = None) -> dict[
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, routes)
     return {**T.history(trainer), "final": str(run / "final"), "routes": every,
+            "pretrained": str(out / f"pretrained_{family}"),
             "experts_implementation": model.config._experts_implementation}
 
 

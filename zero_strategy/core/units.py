@@ -17,7 +17,7 @@ from torch import nn
 from ..comm.collectives import Communicator
 from ..offload.transfers import Copy, Transfers
 from .flat import FlatLayout, make_layout
-from .grads import GRAD_STORES, GradStore
+from .grads import GRAD_STORES, GradStore, powered_norm
 from .materialize import Materializer
 from .params import PARAM_STORES, ParamStore, Placement
 from .plan import UnitKind, ZeroPlan
@@ -134,7 +134,7 @@ class Unit:
         grad = self.master_grad  # waits for the copy
         self.grad_summary = None
         if grad.numel():  # the expressions the uncached passes evaluate, for equal bits
-            self.grad_summary = (torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32) ** 2.0,
+            self.grad_summary = (powered_norm(grad, 2.0),
                                  torch.linalg.vector_norm(grad, float("inf")))
         # Kept unwritten: the last gradients of backward are the step's first, and one kept
         # to the end of the step is cleared by zero_grad() without ever being written.
