@@ -64,7 +64,14 @@ class MoEModule(L.LightningModule):
         return DataLoader(rows, batch_size=2, shuffle=False)
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        # SGD with momentum, not AdamW: Lightning's DDP clips with torch's per-tensor norm,
+        # the engine with its per-shard one, so each step's clipping factor differs by an ulp
+        # or two, and differently per step. AdamW is invariant to one common scale only: where
+        # an element's gradients cancel across steps (m ~ 0), it divides their tiny sum by
+        # sqrt(v) and turns those ulps into weight differences of ~2e-5 of the tensor's
+        # largest (measured in one expert weight). SGD's update is linear in the gradient:
+        # the same ulps stay ulps of lr * |g|.
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1)
 
 
 class Record(Callback):

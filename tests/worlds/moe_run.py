@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:  # run as a script by torchrun
 
 from tests.support.moe_configs import VOCAB, config, count_routes  # noqa: E402
 from tests.worlds import transformers_run as T  # noqa: E402
-from zero_strategy.transformers import ZeroPlugin, ZeroTrainer  # noqa: E402
+from zero_strategy.transformers import ZeroPlugin, ZeroTrainer, with_zero  # noqa: E402
 
 STEPS = 3
 MODES: dict[str, dict[str, Any] | None] = {
@@ -87,8 +87,10 @@ def _moe(family: str, mode: str, out: Path, experts: str | None = None) -> dict[
                                    gradient_accumulation_steps=2, learning_rate=1e-2,
                                    warmup_steps=0, max_grad_norm=1.0))
     options = MODES[mode]
+    # z3off through with_zero(Trainer), the others through ZeroTrainer: both entry points.
+    zero_class = with_zero(T.Trainer) if mode == "z3off" else ZeroTrainer
     trainer = (T.Trainer(**kwargs) if options is None else
-               ZeroTrainer(zero_plugin=ZeroPlugin(**options), **kwargs))
+               zero_class(zero_plugin=ZeroPlugin(**options), **kwargs))
     trainer.train()
     trainer.save_model(str(run / "final"))
     every = [None] * dist.get_world_size()
