@@ -49,7 +49,9 @@ class MoEModule(L.LightningModule):
         super().__init__()
         from transformers import Qwen3MoeForCausalLM
 
-        self.model = Qwen3MoeForCausalLM.from_pretrained(folder)
+        # from_pretrained returns the model in eval mode, and Lightning (>= 2.2) keeps each
+        # submodule's mode as it finds it: train mode is the user's to set.
+        self.model = Qwen3MoeForCausalLM.from_pretrained(folder).train()
         self.routes = count_routes(self.model)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
