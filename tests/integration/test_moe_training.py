@@ -1,7 +1,8 @@
 """Mixture-of-experts training at stages 2, 3 and 3 with CPU offload: tiny Qwen3-MoE (router
 load-balancing loss on) and Mixtral, written with ``save_pretrained`` and loaded back with
 ``from_pretrained``, under ``ZeroTrainer`` against plain ``Trainer`` (DDP), and Qwen3-MoE
-under Lightning's ``ZeroStrategy`` at stage 3 against Lightning's DDP. Each rank reads its
+under Lightning's ``ZeroStrategy`` (stage 3, and the ``zero2`` and ``zero3_offload`` presets)
+against Lightning's DDP. Each rank reads its
 own half of the vocabulary, so the ranks route tokens to different experts; every test
 asserts that some expert got no token on one rank while the other rank used it.
 
@@ -59,8 +60,9 @@ def assert_trainer_matches_ddp(ddp: dict, zero: dict, name: str) -> None:
     assert diff <= C.RTOL, f"{name}: saved weights differ from DDP's by {diff:.2e} relative"
     moved = C.max_rel_diff(C.weights(ddp["pretrained"]), ours)
     assert moved > 1e-3, f"{name}: training did not move the weights: parity would be vacuous"
-    # The same weights at the first forward: the same routing, token for token.
-    assert [r[0] for r in zero["routes"]] == [r[0] for r in ddp["routes"]], name
+    # The same routing, token for token, in every forward: a top-k near-tie flipped by
+    # ulp-level differences would be a discrete change no tolerance covers (and is named so).
+    assert zero["routes"] == ddp["routes"], f"{name}: a router's choice differs from DDP's"
     assert_some_expert_idle_on_one_rank(zero["routes"])
 
 
@@ -87,8 +89,11 @@ def lightning() -> dict:
     return run_suite("tests/worlds/lightning_moe.py", "moe", timeout=400)
 
 
-def test_lightning_stage3_matches_ddp(lightning: dict) -> None:
-    for rank, (ref, ours) in enumerate(zip(check(lightning["ddp"]), check(lightning["zero3"]))):
+@pytest.mark.parametrize("strategy", ["zero2", "zero3", "zero3_offload"])
+def test_lightning_matches_ddp(lightning: dict, strategy: str) -> None:
+    """zero3: ZeroStrategy(stage=3) with every module its own unit; the others by name."""
+    pairs = zip(check(lightning["ddp"]), check(lightning[strategy]))
+    for rank, (ref, ours) in enumerate(pairs):
         assert len(ours["loss"]) == 6, ours  # 3 steps x accumulation 2
         for i, (a, b) in enumerate(zip(ref["loss"], ours["loss"])):
             assert a == pytest.approx(b, rel=C.RTOL), f"rank {rank} micro-batch {i}"
@@ -96,6 +101,7 @@ def test_lightning_stage3_matches_ddp(lightning: dict) -> None:
             assert a == pytest.approx(b, rel=C.RTOL), f"rank {rank} step {i} grad norm"
         assert min(ref["norm"]) > 1.0, "clipping at 1.0 never engaged"
         assert ours["moved"] > 1e-3, "training did not move the weights"
+        assert ours["routes"] == ref["routes"], f"rank {rank}: a router's choice differs"
         diff = C.max_rel_diff(torch.load(ref["weights"]), torch.load(ours["weights"]))
         assert diff <= C.RTOL, f"rank {rank}: weights differ from DDP's by {diff:.2e}"
-    assert_some_expert_idle_on_one_rank([r["routes"] for r in check(lightning["zero3"])])
+    assert_some_expert_idle_on_one_rank([r["routes"] for r in check(lightning[strategy])])
