@@ -30,8 +30,9 @@ RTOL = 1e-5
 
 def launch(out: Path, scenarios: list[str], world: int = 2, timeout: float = 600.0,
            script: Path = SCRIPT) -> dict[str, dict[str, Any]]:
-    """Run ``scenarios`` of ``script`` in order in one torchrun launch of ``world`` CPU
-    processes; {name: rank 0's result} (a failed scenario: {"error": traceback})."""
+    """Run ``scenarios`` of ``script`` (a module whose ``main`` is transformers_run's) in order
+    in one torchrun launch of ``world`` CPU processes; {name: rank 0's result} (a failed
+    scenario: {"error": traceback})."""
     env = launch_environment({})  # nothing steering Accelerate or the plugin; CPU, gloo
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
                str(script), "--out", str(out), "--only", ",".join(scenarios)]
