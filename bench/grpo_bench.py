@@ -240,7 +240,9 @@ def worker(system: str, out: Path, steps: int) -> dict:
     args.device  # noqa: B018  (the process group, before the baseline)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     timings = Timings()
-    kwargs = {"model": build_model(), "reward_funcs": even_words, "args": args,
+    model = build_model()
+    params = sum(p.numel() for p in model.parameters())
+    kwargs = {"model": model, "reward_funcs": even_words, "args": args,
               "train_dataset": prompts(steps * args.world_size * BATCH // GENERATIONS),
               "processing_class": tokenizer(), "callbacks": [timings.callback()]}
     if system == "zs_zero3":
@@ -252,6 +254,7 @@ def worker(system: str, out: Path, steps: int) -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     logs = [h for h in trainer.state.log_history if "loss" in h]
     return {"step_s": timings.step, "generate_s": timings.generate, "peak_rss_mib": peak,
+            "params": params,
             "growth_mib": peak - base, "losses": [h["loss"] for h in logs],
             "completion_tokens": [h.get("completions/mean_length") for h in logs]}
 
