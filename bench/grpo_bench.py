@@ -88,7 +88,8 @@ def combine(ranks: list[dict], warmup: int) -> dict:
 
 def summary(rows: list[dict]) -> list[dict]:
     """Per system: the round with the smallest median step (the least disturbed by the
-    machine's other jobs), and every round's median beside it."""
+    machine's other jobs), every round's median beside it, and x DDP: the median over rounds
+    of the system's step over DDP's in the same round."""
     out = []
     for system in dict.fromkeys(r["system"] for r in rows):
         mine = [r for r in rows if r["system"] == system]
@@ -103,15 +104,31 @@ def summary(rows: list[dict]) -> list[dict]:
                                             "median_train_s", "completion_tokens")},
                     "peak_rss_growth_mib": max(max(r["peak_rss_growth_mib"]) for r in ok),
                     "peak_rss_mib": max(max(r["peak_rss_mib"]) for r in ok)})
-    ddp = next((s for s in out if s["system"] == "ddp" and "error" not in s), None)
     for s in out:
-        if ddp and "error" not in s:
-            s["x_ddp"] = round(s["median_step_s"] / ddp["median_step_s"], 2)
+        ratios = paired_ratios(rows, s["system"])
+        if ratios:
+            s["x_ddp_per_round"] = ratios
+            s["x_ddp"] = round(statistics.median(ratios), 2)
     return out
 
 
+def paired_ratios(rows: list[dict], system: str) -> list[float]:
+    """The system's median step over DDP's in the same round: the two ran one after the
+    other, so a slow spell of the machine that lasts a round weighs on both."""
+    step = {(r["system"], r["round"]): r["median_step_s"] for r in rows if "error" not in r}
+    return [round(step[(system, n)] / step[("ddp", n)], 2)
+            for n in sorted({r["round"] for r in rows})
+            if (system, n) in step and ("ddp", n) in step]
+
+
+def _ratio(s: dict) -> str:
+    per_round = " / ".join(f"{v:.2f}" for v in s.get("x_ddp_per_round", []))
+    return f"{s['x_ddp']:.2f} ({per_round})" if "x_ddp" in s else "-"
+
+
 def table(summ: list[dict]) -> str:
-    lines = ["| system | s/step (median) | generation | training | x DDP | s/step per round "
+    lines = ["| system | s/step (median) | generation | training | x DDP (per round) "
+             "| s/step per round "
              "| peak RSS growth per rank, MiB (max) | completion tokens | error |",
              "|---|---|---|---|---|---|---|---|---|"]
     for s in summ:
@@ -121,7 +138,7 @@ def table(summ: list[dict]) -> str:
         rounds = " / ".join(f"{v:.2f}" for v in s["rounds_median_step_s"])
         lines.append(f"| `{s['system']}` | {s['median_step_s']:.2f} | "
                      f"{s['median_generate_s']:.2f} | {s['median_train_s']:.2f} | "
-                     f"{s.get('x_ddp', '-')} | {rounds} | {s['peak_rss_growth_mib']} | "
+                     f"{_ratio(s)} | {rounds} | {s['peak_rss_growth_mib']} | "
                      f"{s['completion_tokens']} | |")
     return "\n".join(lines)
 
@@ -273,6 +290,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="write every run and the summary as JSON")
     p.add_argument("--page", type=Path, help="write the table as this markdown page")
     p.add_argument("--from-json", type=Path, help="only write --page from this --json file")
+    p.add_argument("--combine", type=Path, nargs="+",
+                   help="only combine these --json files (their rounds) into --json / --page")
     p.add_argument("--note", action="append", default=[])
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -291,6 +310,8 @@ def main() -> None:
         return
     if opts.from_json:
         return write(opts, json.loads(opts.from_json.read_text()))
+    if opts.combine:
+        return write(opts, combine_runs([json.loads(p.read_text()) for p in opts.combine]))
     command = "python " + shlex.join(["bench/grpo_bench.py", *sys.argv[1:]])
     start, load_before = time.perf_counter(), os.getloadavg()[0]
     opts.workdir = tempfile.mkdtemp(prefix="grpo_bench_", dir=opts.workdir)
@@ -308,6 +329,21 @@ def main() -> None:
                  "steps": opts.steps, "summary": summ, "rows": rows})
 
 
+def combine_runs(runs: list[dict]) -> dict:
+    """Several runs as one: their rounds numbered on, in the order given, the summary made
+    again over all of them (more rounds of the same systems on the same machine)."""
+    rows, offset = [], 0
+    for run in runs:
+        rows += [{**r, "round": r["round"] + offset} for r in run["rows"]]
+        offset += max(r["round"] for r in run["rows"]) + 1
+    first, last = runs[0], runs[-1]
+    return {**first, "date": last["date"], "command": " && ".join(r["command"] for r in runs),
+            "minutes": round(sum(r["minutes"] for r in runs), 1),
+            "load_average": [first["load_average"][0], last["load_average"][1]],
+            "notes": [n for r in runs for n in r["notes"]], "summary": summary(rows),
+            "rows": rows}
+
+
 def write(opts: argparse.Namespace, result: dict) -> None:
     if opts.json:
         opts.json.parent.mkdir(parents=True, exist_ok=True)
@@ -320,6 +356,7 @@ def write(opts: argparse.Namespace, result: dict) -> None:
 def page(result: dict) -> str:
     notes = "".join(f"- Note: {n}\n" for n in result["notes"])
     rounds = max(r["round"] for r in result["rows"]) + 1
+    ds_rounds = sum(r["system"] == "deepspeed_zero3" for r in result["rows"])
     return f"""# GRPO steps, {result['date'][:10]}
 
 TRL's `GRPOTrainer` three ways (`bench/grpo_bench.py`; what every figure means:
@@ -330,7 +367,9 @@ TRL's `GRPOTrainer` three ways (`bench/grpo_bench.py`; what every figure means:
   processes with one thread each (`OMP_NUM_THREADS=1`), gloo, fp32, CPU; **shared with other
   jobs while it ran** (1-minute load average {result['load_average'][0]} at the start,
   {result['load_average'][1]} at the end), so step times are noisy: the systems alternated
-  for {rounds} rounds and each row is its least disturbed round. {result['versions']}.
+  for {rounds} rounds (DeepSpeed in the first {ds_rounds}); each row's times are its least
+  disturbed round, x DDP the median over rounds of its step over DDP's in the same round.
+  {result['versions']}.
 - Run time: {result['minutes']} min.
 {notes}
 GPT-2 from a config (12 layers, width 768, vocab 24576: 104M parameters, fp32, `bf16=False`),
