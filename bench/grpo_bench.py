@@ -109,13 +109,16 @@ def summary(rows: list[dict]) -> list[dict]:
         if ratios:
             s["x_ddp_per_round"] = ratios
             s["x_ddp"] = round(statistics.median(ratios), 2)
+            for part in ("generate", "train"):
+                s[f"{part}_x_ddp"] = round(statistics.median(
+                    paired_ratios(rows, s["system"], f"median_{part}_s")), 2)
     return out
 
 
-def paired_ratios(rows: list[dict], system: str) -> list[float]:
-    """The system's median step over DDP's in the same round: the two ran one after the
-    other, so a slow spell of the machine that lasts a round weighs on both."""
-    step = {(r["system"], r["round"]): r["median_step_s"] for r in rows if "error" not in r}
+def paired_ratios(rows: list[dict], system: str, key: str = "median_step_s") -> list[float]:
+    """The system's median step (or part of it) over DDP's in the same round: the two ran one
+    after the other, so a slow spell of the machine that lasts a round weighs on both."""
+    step = {(r["system"], r["round"]): r[key] for r in rows if "error" not in r}
     return [round(step[(system, n)] / step[("ddp", n)], 2)
             for n in sorted({r["round"] for r in rows})
             if (system, n) in step and ("ddp", n) in step]
@@ -127,7 +130,8 @@ def _ratio(s: dict) -> str:
 
 
 def table(summ: list[dict]) -> str:
-    lines = ["| system | s/step (median) | generation | training | x DDP (per round) "
+    lines = ["| system | s/step (median) | generation (x DDP) | training (x DDP) "
+             "| x DDP (per round) "
              "| s/step per round "
              "| peak RSS growth per rank, MiB (max) | completion tokens | error |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -137,7 +141,8 @@ def table(summ: list[dict]) -> str:
             continue
         rounds = " / ".join(f"{v:.2f}" for v in s["rounds_median_step_s"])
         lines.append(f"| `{s['system']}` | {s['median_step_s']:.2f} | "
-                     f"{s['median_generate_s']:.2f} | {s['median_train_s']:.2f} | "
+                     f"{s['median_generate_s']:.2f} (x{s.get('generate_x_ddp', '-')}) | "
+                     f"{s['median_train_s']:.2f} (x{s.get('train_x_ddp', '-')}) | "
                      f"{_ratio(s)} | {rounds} | {s['peak_rss_growth_mib']} | "
                      f"{s['completion_tokens']} | |")
     return "\n".join(lines)
