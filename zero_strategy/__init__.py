@@ -14,6 +14,7 @@ from .core.materialize import meta_init
 from .core.runtime import GatherOrderError
 from .engine import ZeroEngine
 from .integrations.hf import activations as _hf_activations
+from .integrations.hf import peft_layout as _hf_layouts
 from .integrations.registration import register_if_lightning_imported, register_strategies
 from .memory import (
     ActivationEstimate,
@@ -31,6 +32,8 @@ register_if_lightning_imported()
 # transformers' layers checkpoint through their own switch; the core learns of them here, for
 # every user, without importing transformers (integrations/hf/activations.py).
 _hf_activations.register()
+# ... and its hub layout (reverse weight conversions, tied weights) reaches the export here.
+_hf_layouts.register()
 
 __all__ = [
     "ActivationEstimate", "BlockActivations", "CheckpointError", "CombinedOptimizer",

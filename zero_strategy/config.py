@@ -47,7 +47,8 @@ ClassNames = Annotated[tuple[ClassName, ...], Rule(text="a list of module class 
 
 # Choice fields: the allowed values are the annotation's and nowhere else.
 Stage = Literal[0, 1, 2, 3]
-Precision = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
+Precision = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "bf16-autocast",
+                    "16-autocast"]
 ReduceDtype = Literal["fp32", "compute"]
 NonfinitePolicy = Literal["skip", "error", "off"]
 Quantization = Literal["off", "int8"]
@@ -60,6 +61,8 @@ ActivationTier = Annotated[Literal[False, "cpu", "disk"], Rule(
 
 STAGES: tuple[int, ...] = typing.get_args(Stage)
 PRECISIONS: tuple[str, ...] = typing.get_args(Precision)
+LOSS_SCALED_PRECISIONS: tuple[str, ...] = ("16-mixed", "16-autocast")
+"""The fp16 precisions: they scale the loss so that small gradients stay representable."""
 REDUCE_DTYPES: tuple[str, ...] = typing.get_args(ReduceDtype)
 NONFINITE_POLICIES: tuple[str, ...] = typing.get_args(NonfinitePolicy)
 QUANTIZATIONS: tuple[str, ...] = typing.get_args(Quantization)
@@ -80,7 +83,8 @@ STAGE3_DEFAULTS: dict[str, Any] = {
 
 @dataclass(frozen=True, kw_only=True)
 class LossScaleConfig:
-    """Dynamic loss scaling for ``precision="16-mixed"`` (the knobs DeepSpeed users know)."""
+    """Dynamic loss scaling for ``precision="16-mixed"`` or ``"16-autocast"`` (the knobs
+    DeepSpeed users know)."""
 
     initial_scale: float = 2.0**16
     """Starting scale; a power of two so scaling and unscaling are exact."""
@@ -124,9 +128,22 @@ class ZeroConfig:
     stage: Stage = 3
     """ZeRO stage: 0, 1, 2 or 3."""
     precision: Precision = "32-true"
-    """Lightning's precision names: "32-true", "bf16-mixed", "16-mixed", "bf16-true"."""
+    """How each copy of the weights is kept and what the forward computes in:
+
+    - "32-true": fp32 everywhere.
+    - "bf16-mixed" / "16-mixed": low-precision compute copies of the weights (what stage 3
+      gathers, what the forward and the gradients see) beside fp32 masters in the optimizer,
+      as DeepSpeed's bf16/fp16 and Lightning's ``DeepSpeedStrategy`` keep them.
+    - "bf16-autocast" / "16-autocast": fp32 weights, gradients and masters; the forward runs
+      under ``torch.autocast`` in that dtype, which is what ``transformers.Trainer``
+      (``bf16=True``/``fp16=True``), Accelerate's ``mixed_precision`` and Lightning's DDP
+      mean by mixed precision. Twice the parameter memory and gather traffic of "-mixed".
+    - "bf16-true": bf16 everywhere, no fp32 master (Lightning's meaning).
+
+    The fp16 modes scale the loss (``loss_scale``)."""
     reduce_dtype: ReduceDtype = "fp32"
-    """Dtype gradients are communicated in: "fp32" or "compute" (the precision's compute dtype)."""
+    """Dtype gradients are communicated in: "fp32" or "compute" (the precision's compute dtype:
+    the compute copy's, so fp32 under the "-autocast" precisions)."""
     bucket_numel: PositiveInt = 5_000_000
     """Elements per communication bucket for stages 0-2 (and for stage 3's persistent params)."""
     unit_numel: PositiveInt | None = None
@@ -195,14 +212,15 @@ class ZeroConfig:
     nonfinite_grads: NonfinitePolicy = "skip"
     """What a step does when any gradient is inf/NaN on any rank: "skip" it everywhere
     (weights, optimizer state and step counts unchanged; ``step()`` returns False and warns),
-    "error" (raise), or "off" (no check). "16-mixed" needs "skip" (its loss scaling relies on
-    skipped overflow steps)."""
+    "error" (raise), or "off" (no check). The fp16 precisions need "skip" (their loss scaling
+    relies on skipped overflow steps)."""
     elementwise_optimizer: bool = False
     """Assert that a custom optimizer's update is elementwise (each element's new value
     depends only on that element's gradient and state), so running it on flat shards is exact.
     torch's elementwise optimizers are recognised without it."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
-    """Dynamic loss scaling for "16-mixed"; customising it under another precision is an error."""
+    """Dynamic loss scaling for the fp16 precisions ("16-mixed", "16-autocast"); customising it
+    under another precision is an error."""
     shard_group_size: PositiveInt | None = None
     """Hybrid sharding (FSDP's HSDP, ZeRO++'s hierarchical partitioning): shard within groups of
     this many consecutive ranks (a node's GPUs) and replicate across the groups. Gathers and
@@ -245,9 +263,9 @@ class ZeroConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self)  # types, choices and bounds, from the annotations above
-        if self.precision == "16-mixed" and self.nonfinite_grads != "skip":
+        if self.precision in LOSS_SCALED_PRECISIONS and self.nonfinite_grads != "skip":
             raise ValueError(
-                f"precision='16-mixed' needs nonfinite_grads='skip' (got "
+                f"precision={self.precision!r} needs nonfinite_grads='skip' (got "
                 f"{self.nonfinite_grads!r}): dynamic loss scaling finds its scale by skipping "
                 "the steps that overflow")
         if self.offload_activations and not self.activation_checkpointing:
@@ -290,9 +308,10 @@ class ZeroConfig:
                 "offload_optimizer requires stage >= 1 (stage 0 keeps no optimizer shard to "
                 "offload); allowed stages: 1, 2, 3"
             )
-        if self.precision != "16-mixed" and self.loss_scale != LossScaleConfig():
+        if self.precision not in LOSS_SCALED_PRECISIONS and self.loss_scale != LossScaleConfig():
             raise ValueError(
-                f"loss_scale applies to precision='16-mixed' only, got precision="
+                f"loss_scale applies to the fp16 precisions {list(LOSS_SCALED_PRECISIONS)} "
+                f"only, got precision="
                 f"{self.precision!r}"
             )
 

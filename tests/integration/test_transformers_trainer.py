@@ -16,7 +16,8 @@ from tests.worlds.transformers_run import GENERATE_RANKS_NEW_TOKENS
 
 VARIANTS = ["z1", "z2", "z3off"]
 SCENARIOS = ["fit_ddp", *(f"fit_{v}" for v in VARIANTS), *(f"resume_{v}" for v in VARIANTS),
-             "sft_ddp", "sft_z0", "sft_z3", "generate_ddp", "generate_z2", "generate_z3",
+             "sft_ddp", "sft_z0", "sft_z3", "sft_bf16_ddp", "sft_bf16_z3",
+             "sft_bf16_z3copies", "generate_ddp", "generate_z2", "generate_z3",
              "generate_z3stream",
              "best_ddp", "best_z3", "precision", "streamed_ddp", "streamed_z3",
              "evaluated_ddp", "evaluated_z0", "evaluated_z3", "seq2seq_ddp", "seq2seq_z3",
@@ -55,6 +56,41 @@ def test_sft_lora_at_stage3_equals_plain_trainer(runs: dict) -> None:
     ddp, z3 = C.ok(runs["sft_ddp"]), C.ok(runs["sft_z3"])
     for key in ("loss", "grad_norm", "lr"):
         C.assert_close_lists(ddp[key], z3[key], f"sft vs DDP {key}")
+
+
+def _adapter(result: dict) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(Path(result["adapter"]) / "adapter_model.safetensors")
+
+
+def test_sft_lora_with_trls_default_bf16_equals_plain_trainer(runs: dict) -> None:
+    """TRL's default config (bf16=True), 6 steps, stage 3 against plain SFTTrainer (DDP).
+
+    Plain Trainer runs bf16=True as Accelerate's autocast around the model's forward over
+    fp32 weights; so does the engine now ("bf16-autocast"). Stage 3 gathers the same fp32
+    values, so every bf16 cast, bf16 matmul and fp32 op of each rank's forward and backward
+    is the same arithmetic on the same operands as DDP's, and the gradients enter the
+    reductions equal. What may differ is fp32 summation order: 2 ranks' terms averaged
+    (a + b rounded once either way: DDP's a/2 + b/2 and the engine's (a + b)/2 are the same
+    number, halving being exact) and the norm Trainer clips with, summed over shards (at
+    most a few ulps, and at max_grad_norm=0.5 with norms ~0.09 the clip factor is 1 either
+    way). So the runs agree to the last bit unless a reordering moves a weight by an ulp;
+    RTOL (1e-5, the fp32 Trainer bound) leaves room for that through AdamW's normalised
+    update. The compute copies ("bf16-mixed", chosen in the plugin) are a different
+    arithmetic (bf16 weights and gradients) and land percent-level apart: the contrast shows
+    the comparison can tell the two apart."""
+    ddp, z3 = C.ok(runs["sft_bf16_ddp"]), C.ok(runs["sft_bf16_z3"])
+    assert ddp["bf16"] and z3["bf16"], "TRL's default must be bf16=True for this to test it"
+    assert len(ddp["loss"]) == 6
+    for key in ("loss", "grad_norm", "lr"):
+        C.assert_close_lists(ddp[key], z3[key], f"sft bf16 vs DDP {key}")
+    plain, mine = _adapter(ddp), _adapter(z3)
+    assert C.max_rel_diff(plain, mine) <= C.RTOL
+    total = sum(v.abs().sum().item() for v in plain.values())
+    assert abs(total - sum(v.abs().sum().item() for v in mine.values())) <= C.RTOL * total
+    copies = _adapter(C.ok(runs["sft_bf16_z3copies"]))
+    assert C.max_rel_diff(plain, copies) > 1e-2
 
 
 def test_lora_adapter_is_saved_as_peft_saves_it(runs: dict) -> None:
@@ -127,7 +163,7 @@ def test_best_model_checkpoint_rotation_plateau_schedule_and_callbacks(runs: dic
 
 def test_precision_follows_training_arguments(runs: dict) -> None:
     result = C.ok(runs["precision"])
-    assert (result["bf16"], result["fp16"]) == ("bf16-mixed", "16-mixed")
+    assert (result["bf16"], result["fp16"]) == ("bf16-autocast", "16-autocast")
     assert "precision='32-true'" in result["clash"] and "bf16=True" in result["clash"]
 
 

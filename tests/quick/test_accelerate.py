@@ -109,11 +109,12 @@ def test_bad_plugin_config_fails_before_training(runs: dict[str, Outcome], work:
 
 
 def test_plain_python_run_with_the_engines_fp16_loss_scaling(runs: dict[str, Outcome]) -> None:
-    """Without a launcher: a process group of one. Accelerate's fp16 -> the engine's 16-mixed,
-    whose loss scaler (not a GradScaler) skips overflowing steps, and the scheduler with them."""
+    """Without a launcher: a process group of one. Accelerate's fp16 -> the engine's
+    16-autocast (autocast over fp32 weights, as Accelerate runs it), whose loss scaler (not a
+    GradScaler) skips overflowing steps, and the scheduler with them."""
     (r,) = A.ok(runs["single"], world=1)
     assert r["distributed_type"] == "DistributedType.NO" and r["mixed_precision"] == "fp16"
-    assert r["zero_config"]["stage"] == 2 and r["zero_config"]["precision"] == "16-mixed"
+    assert r["zero_config"]["stage"] == 2 and r["zero_config"]["precision"] == "16-autocast"
     assert not r["grad_scaler"], "Accelerate's GradScaler must stay off"
     assert r["skipped"] == [True] * 3 and r["moved"] == 0.0
     assert len(set(r["lrs"])) == 1, "a skipped step must not advance the scheduler"
@@ -203,7 +204,8 @@ def test_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("options", "mixed", "precision"),
     [
-        ({}, "no", "32-true"), ({}, "bf16", "bf16-mixed"), ({}, "fp16", "16-mixed"),
+        ({}, "no", "32-true"), ({}, "bf16", "bf16-autocast"), ({}, "fp16", "16-autocast"),
+        ({"precision": "bf16-mixed"}, "bf16", "bf16-mixed"),
         ({"precision": "bf16-true"}, "no", "bf16-true"),
         ({"precision": "bf16-true"}, "bf16", "bf16-true"),
         ({"precision": "16-mixed", "loss_scale": {"hysteresis": 1}}, "fp16", "16-mixed"),
@@ -218,7 +220,7 @@ def test_contradicting_precisions_fail() -> None:
         ZeroPlugin(precision="16-mixed").resolve("bf16")
     with pytest.raises(ValueError, match="'fp8' is not supported"):
         ZeroPlugin().resolve("fp8")
-    with pytest.raises(ValueError, match="loss_scale applies to precision='16-mixed' only"):
+    with pytest.raises(ValueError, match="loss_scale applies to the fp16 precisions"):
         ZeroPlugin(loss_scale={"hysteresis": 1}).resolve("bf16")
 
 

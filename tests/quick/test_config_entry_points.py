@@ -112,9 +112,10 @@ def test_a_precision_contradiction_reads_alike_from_every_adapter(tmp_path: Path
         "bf16-mixed", "Fabric(precision='bf16-true')", ["bf16-true"])
     accelerate = _message(lambda: ZeroPlugin(precision="16-mixed").resolve("bf16"))
     assert accelerate == "ZeroPlugin(...) arguments: " + conflict(
-        "16-mixed", "Accelerate's mixed_precision='bf16'", ["bf16-mixed", "bf16-true"])
+        "16-mixed", "Accelerate's mixed_precision='bf16'",
+        ["bf16-mixed", "bf16-true", "bf16-autocast"])
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=True)
     trainer = _message(lambda: ZeroTrainer(model=torch.nn.Linear(2, 2), args=args,
                                            zero_plugin=ZeroPlugin(precision="32-true")))
     assert trainer == "ZeroPlugin(...) arguments: " + conflict(
-        "32-true", "TrainingArguments(bf16=True)", ["bf16-mixed", "bf16-true"])
+        "32-true", "TrainingArguments(bf16=True)", ["bf16-mixed", "bf16-true", "bf16-autocast"])

@@ -28,13 +28,14 @@ SCRIPT = ROOT / "tests" / "worlds" / "transformers_run.py"
 RTOL = 1e-5
 
 
-def launch(out: Path, scenarios: list[str], world: int = 2, timeout: float = 600.0
-           ) -> dict[str, dict[str, Any]]:
-    """Run ``scenarios`` in order in one torchrun launch of ``world`` CPU processes;
-    {name: rank 0's result} (a failed scenario: {"error": traceback})."""
+def launch(out: Path, scenarios: list[str], world: int = 2, timeout: float = 600.0,
+           script: Path = SCRIPT) -> dict[str, dict[str, Any]]:
+    """Run ``scenarios`` of ``script`` (a module whose ``main`` is transformers_run's) in order
+    in one torchrun launch of ``world`` CPU processes; {name: rank 0's result} (a failed
+    scenario: {"error": traceback})."""
     env = launch_environment({})  # nothing steering Accelerate or the plugin; CPU, gloo
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
-               str(SCRIPT), "--out", str(out), "--only", ",".join(scenarios)]
+               str(script), "--out", str(out), "--only", ",".join(scenarios)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout,
                           cwd=ROOT)
     results = {}

@@ -136,13 +136,13 @@ def _snapshot(engine: zs.ZeroEngine) -> list[torch.Tensor]:
     return tensors + [t.clone() for t in engine.optimizer.state_tensors()]
 
 
-def fp16_overflow(stage: int) -> dict:
+def fp16_overflow(stage: int, precision: str = "16-mixed") -> dict:
     """Inject inf on rank 0 only: every rank must skip, the scale must follow the knobs."""
     model = make_model("mlp")
     scale_cfg = zs.LossScaleConfig(initial_scale=1024.0, growth_interval=3, hysteresis=2,
                                    min_scale=1.0)
     engine = zs.ZeroEngine(model, make_optimizer("adamw", model), _config(
-        "mlp", stage, precision="16-mixed", loss_scale=scale_cfg))
+        "mlp", stage, precision=precision, loss_scale=scale_cfg))
     gen = torch.Generator().manual_seed(3 + dist.get_rank())
     events = []
     # steps 1-2 clean, 3-4 overflow on rank 0 only, 5-10 clean
@@ -221,6 +221,11 @@ for _stage in range(4):
                  precision="bf16-mixed", reduce_dtype=_reduce)
 register("bf16_gpt2_stage3", bf16_vs_autocast, stage=3, kind="gpt2", steps=4)
 register("fp16_trains_stage2", fp16_trains, stage=2)
+# autocast over fp32 weights (Trainer's fp16=True): the same scaler, the same skips
+register("fp16_overflow_autocast_stage3", fp16_overflow, stage=3, precision="16-autocast")
+for _stage in (2, 3):
+    register(f"memory_autocast_stage{_stage}", mixed_memory, stage=_stage,
+             precision="bf16-autocast", reduce_dtype="fp32")
 register("memory_bf16_true_stage3", mixed_memory, stage=3, precision="bf16-true",
          reduce_dtype="compute")
 register("memory_offload_stage2", mixed_memory, stage=2, precision="32-true",

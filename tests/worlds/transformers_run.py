@@ -322,17 +322,17 @@ def texts(n: int = 32, seed: int = 0) -> Any:
     return HFDataset.from_dict({"text": [" ".join(WORDS[i] for i in r) for r in rows.tolist()]})
 
 
-def _sft_lora(mode: str, out: Path) -> dict[str, Any]:
+def _sft_lora(mode: str, out: Path, trl_precision: bool = False) -> dict[str, Any]:
     """TRL's SFTTrainer with a LoRA adapter on a frozen GPT-2 base."""
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
-    run = out / f"sft_{mode}"
+    run = out / f"sft_{mode}{'_bf16' if trl_precision else ''}"
     # TRL turns activation checkpointing and bf16 on by default. Checkpointing is kept (part
-    # of what is tested); bf16 is not: plain Trainer autocasts over fp32 weights while the
-    # engine computes with bf16 copies, two different arithmetics, so parity is asserted in
-    # fp32 (bf16 against its own formula is the engine's precision tests' job).
-    config = arguments(run, SFTConfig, max_length=16, packing=False, bf16=False)
+    # of what is tested); bf16 is kept only with ``trl_precision`` (TRL's default config as a
+    # user gets it, 6 steps), else parity is asserted in fp32, the tighter bound.
+    precision = {"max_steps": 6} if trl_precision else {"bf16": False}
+    config = arguments(run, SFTConfig, max_length=16, packing=False, **precision)
     trainer = trainer_for(mode, SFTTrainer, model=tiny_gpt2(), args=config,
                           train_dataset=texts(), processing_class=word_tokenizer(),
                           peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
@@ -340,7 +340,7 @@ def _sft_lora(mode: str, out: Path) -> dict[str, Any]:
                                                  fan_in_fan_out=True))
     trainer.train()
     trainer.save_model(str(run / "adapter"))
-    result = {**history(trainer), "adapter": str(run / "adapter")}
+    result = {**history(trainer), "adapter": str(run / "adapter"), "bf16": config.bf16}
     engine = getattr(trainer, "zero_engine", None)
     if engine is not None:
         report = engine.memory_report()
@@ -365,6 +365,10 @@ def _state_elements(engine: Any) -> int:
 
 for _mode in MODES:
     SCENARIOS[f"sft_{_mode}"] = functools.partial(_sft_lora, _mode)
+    SCENARIOS[f"sft_bf16_{_mode}"] = functools.partial(_sft_lora, _mode, trl_precision=True)
+# The engine's compute copies chosen in the plugin beside TRL's bf16=True: the other arithmetic.
+MODES["z3copies"] = {**MODES["z3"], "precision": "bf16-mixed"}
+SCENARIOS["sft_bf16_z3copies"] = functools.partial(_sft_lora, "z3copies", trl_precision=True)
 
 
 # ---------------------------------------------------------------------------------- generate

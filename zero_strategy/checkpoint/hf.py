@@ -244,33 +244,48 @@ def _without_tied(tensors: list[TensorOut], config: Any) -> list[TensorOut]:
 # ---------------------------------------------------------------------------- weights
 def _write_weights(tensors: list[TensorOut], tmp: Path, max_shard_bytes: int) -> None:
     shards = _plan_shards(tensors, max_shard_bytes)
-    if len(shards) == 1:
-        write_safetensors(tmp / WEIGHTS, shards[0])
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    names = shard_names(len(shards))
+    for name, shard in zip(names, shards):
         write_safetensors(tmp / name, shard)
-        weight_map.update({t.key: name for t in shard})
-    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
-             "weight_map": weight_map}
-    write_atomic(tmp / INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+    if len(shards) > 1:
+        write_atomic(tmp / INDEX, index_json(dict(zip(names, shards)), {}))
 
 
-def _plan_shards(tensors: list[TensorOut], max_bytes: int) -> list[list[TensorOut]]:
-    """Consecutive tensors in state-dict order, a new shard wherever the next would overflow
-    (huggingface_hub's rule); a tensor over the limit goes alone."""
-    shards: list[list[TensorOut]] = []
-    current: list[TensorOut] = []
+def index_json(files: dict[str, list[Any]], metadata: dict[str, Any]) -> bytes:
+    """``model.safetensors.index.json`` as ``save_pretrained`` writes it."""
+    weight_map = {t.key: name for name, shard in files.items() for t in shard}
+    total = sum(t.nbytes for shard in files.values() for t in shard)
+    index = {"metadata": {**metadata, "total_size": total}, "weight_map": weight_map}
+    return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _plan_shards(tensors: list[Any], max_bytes: int) -> list[list[Any]]:
+    """huggingface_hub's rule (``split_torch_state_dict_into_shards``, which
+    ``save_pretrained`` uses): tensors in order fill the current shard, a new one begun
+    wherever the next would overflow it; a tensor over the limit is a shard of its own,
+    listed where it occurs, while the current shard stays open for the tensors after it."""
+    shards: list[list[Any]] = []
+    current: list[Any] = []
     size = 0
     for t in tensors:
+        if t.nbytes > max_bytes:
+            shards.append([t])
+            continue
         if current and size + t.nbytes > max_bytes:
             shards.append(current)
             current, size = [], 0
         current.append(t)
         size += t.nbytes
-    shards.append(current)
+    if current or not shards:
+        shards.append(current)
     return shards
+
+
+def shard_names(count: int, weights: str = WEIGHTS) -> list[str]:
+    if count == 1:
+        return [weights]
+    stem = weights.removesuffix(".safetensors")
+    return [f"{stem}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
 __all__ = ["write_hf"]

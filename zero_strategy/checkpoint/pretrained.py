@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
+from .conversions import ConversionPlan, Node, read_target
 from .errors import CheckpointError
 from .read import SafetensorsFile, commit_load, on_all_ranks, stage_load
 from .source import ReaderBase, foreign_manifest
@@ -203,14 +204,19 @@ class KeyMap:
     root: str = ""
     """Where the pretrained model sits in the engine's module (``"model."`` for a
     LightningModule holding it as ``self.model``): only keys under it are loaded."""
+    convert: Callable[[PretrainedFolder, Callable[[str], Any]], ConversionPlan] | None = None
+    """Model tensors the folder stores as others (experts one by one, ``qkv`` fused):
+    ``convert(folder, shape_of)`` plans them (``conversions.py``; ``shape_of(key)`` is the
+    model's shape for a key, None when it has none). The keys it consumes are not renamed."""
 
 
 @dataclass
 class Resolution:
     """Where each model key's value comes from, and what ``load_state_dict`` would report."""
 
-    sources: dict[str, str]
-    """Model key -> folder key, one per tensor (tied keys share their tensor's)."""
+    sources: dict[str, str | Node]
+    """Model key -> folder key, or the description of a converted tensor made of several
+    folder tensors, one per tensor (tied keys share their tensor's)."""
     covered: set[str]
     """Model keys whose tensor gets a value from the folder (tied aliases included)."""
     missing: list[str]
@@ -219,37 +225,68 @@ class Resolution:
 
 def resolve(model: dict[str, tuple[int, torch.Size, torch.dtype]], folder: PretrainedFolder,
             key_map: KeyMap) -> Resolution:
-    """Which folder tensor loads each model key (``model``: key -> (tensor identity, shape,
-    dtype), keys relative to ``key_map.root``), after checking every pair's shape and dtype."""
-    targets: dict[str, str] = {}
-    unexpected = []
-    for key in sorted(folder.keys()):
-        target = _model_key(key, model, key_map)
-        if target is None:
-            unexpected.append(key)
+    """Which folder tensor (or converted description of several) loads each model key
+    (``model``: key -> (tensor identity, shape, dtype), keys relative to ``key_map.root``),
+    after checking every pair's shape and dtype."""
+    plan = _plan(model, folder, key_map)
+    targets: dict[str, str | Node] = {}
+    unexpected = list(plan.unexpected)
+    named = [(k, k) for k in sorted(folder.keys()) if k not in plan.consumed]
+    for key, value in [*named, *plan.targets.items()]:
+        target = _model_key(key, model, key_map if isinstance(value, str)
+                            else replace(key_map, rename=None))
+        if target is None:  # named as transformers names it: after its renamings
+            unexpected.append(key_map.rename(key) if key_map.rename is not None
+                              and isinstance(value, str) else key)
         elif target in targets:
-            raise CheckpointError(f"{folder.file_of(key)}: tensors {targets[target]!r} and "
-                                  f"{key!r} both load model key {target!r}")
+            raise CheckpointError(f"{_file_of(folder, value)}: tensors {_name(targets[target])}"
+                                  f" and {_name(value)} both load model key {target!r}")
         else:
-            targets[target] = key
-    sources: dict[str, str] = {}
-    by_tensor: dict[int, str] = {}
-    for target, key in targets.items():
-        _check_pair(folder, key, key_map.root + target, model[target])
-        first = by_tensor.setdefault(model[target][0], key)
-        if first == key:
-            sources[target] = key
-        elif not folder.same_values(first, key):  # a tied pair saved untied, then changed
+            targets[target] = value
+    sources: dict[str, str | Node] = {}
+    by_tensor: dict[int, str | Node] = {}
+    for target, value in targets.items():
+        _check_pair(folder, value, key_map.root + target, model[target])
+        first = by_tensor.setdefault(model[target][0], value)
+        if first is value:
+            sources[target] = value
+        elif not (isinstance(first, str) and isinstance(value, str)
+                  and folder.same_values(first, value)):  # a tied pair saved untied, changed
             raise CheckpointError(
-                f"{folder.file_of(key)}: tensors {first!r} and {key!r} differ, but the model "
-                "ties them (one parameter); untie them in the config (tie_word_embeddings="
-                "False) to load both")
+                f"{_file_of(folder, value)}: tensors {_name(first)} and {_name(value)} differ, "
+                "but the model ties them (one parameter); untie them in the config "
+                "(tie_word_embeddings=False) to load both")
     covered = {k for k, (tensor, _, _) in model.items() if tensor in by_tensor}
     return Resolution(
         sources, covered,
         [key_map.root + k for k in model if k not in covered
          and not _matches(k, key_map.ignore_missing)],
-        [k for k in unexpected if not _matches(k, key_map.ignore_unexpected)])
+        sorted(k for k in unexpected if not _matches(k, key_map.ignore_unexpected)))
+
+
+def _plan(model: dict[str, tuple[int, torch.Size, torch.dtype]], folder: PretrainedFolder,
+          key_map: KeyMap) -> ConversionPlan:
+    if key_map.convert is None:
+        return ConversionPlan()
+    bare = replace(key_map, rename=None)
+
+    def shape_of(key: str) -> torch.Size | None:
+        target = _model_key(key, model, bare)
+        return None if target is None else model[target][1]
+
+    return key_map.convert(folder, shape_of)
+
+
+def _name(value: str | Node) -> str:
+    if isinstance(value, str):
+        return repr(value)
+    keys = [leaf.key for leaf in value.leaves()]
+    return f"{keys[0]!r}" + (f" (with {len(keys) - 1} more, converted)" if len(keys) > 1
+                             else " (converted)")
+
+
+def _file_of(folder: PretrainedFolder, value: str | Node) -> Path:
+    return folder.file_of(value if isinstance(value, str) else value.leaves()[0].key)
 
 
 def _model_key(key: str, model: dict[str, Any], key_map: KeyMap) -> str | None:
@@ -269,19 +306,30 @@ def _matches(key: str, patterns: Iterable[str]) -> bool:
     return any(re.search(p, key) for p in patterns)
 
 
-def _check_pair(folder: PretrainedFolder, key: str, target: str,
+def _check_pair(folder: PretrainedFolder, value: str | Node, target: str,
                 expected: tuple[int, torch.Size, torch.dtype]) -> None:
-    """A folder tensor can load a model tensor: same shape, and floating point into floating
-    point (cast as transformers casts) or exactly the same dtype (integers and bools)."""
-    dtype, shape = folder.info(key)
+    """A folder tensor (or every source of a converted one) can load a model tensor: same
+    shape, and floating point into floating point (cast as transformers casts) or exactly the
+    same dtype (integers and bools)."""
     _, want_shape, want_dtype = expected
-    where = f"{folder.file_of(key)}: tensor {key!r}"
+    if isinstance(value, str):
+        dtype, shape = folder.info(value)
+        where = f"{folder.file_of(value)}: tensor {value!r}"
+        pairs = [(where, dtype)]
+    else:
+        shape = value.shape
+        where = f"{_file_of(folder, value)}: tensors {_name(value)}"
+        pairs = [(f"{folder.file_of(leaf.key)}: tensor {leaf.key!r}", leaf.dtype)
+                 for leaf in value.leaves()]
     if tuple(shape) != tuple(want_shape):
-        raise CheckpointError(f"{where} has shape {list(shape)}, model key {target!r} needs "
-                              f"{list(want_shape)}")
-    if not (dtype.is_floating_point and want_dtype.is_floating_point or dtype == want_dtype):
-        raise CheckpointError(f"{where} is {dtype}, model key {target!r} is {want_dtype} "
-                              "(floats load into floats; integers and bools need their dtype)")
+        raise CheckpointError(f"{where} {'make' if isinstance(value, Node) else 'has'} shape "
+                              f"{list(shape)}, model key {target!r} needs {list(want_shape)}")
+    for where, dtype in pairs:
+        if not (dtype.is_floating_point and want_dtype.is_floating_point or
+                dtype == want_dtype):
+            raise CheckpointError(f"{where} is {dtype}, model key {target!r} is {want_dtype} "
+                                  "(floats load into floats; integers and bools need their "
+                                  "dtype)")
 
 
 def module_entries(module: nn.Module, root: str = "",
@@ -309,13 +357,13 @@ class PretrainedSource(ReaderBase):
     kind = "huggingface"
 
     def __init__(self, folder: PretrainedFolder, manifest: dict[str, Any],
-                 sources: dict[str, str], dtypes: dict[str, torch.dtype],
+                 sources: dict[str, str | Node], dtypes: dict[str, torch.dtype],
                  into: dict[str, tuple[torch.Tensor, int]] | None = None) -> None:
         self.folder = folder
         self.path = folder.path
         self.manifest = manifest
         self.sources = sources
-        """Engine parameter name or module key -> folder key."""
+        """Engine parameter name or module key -> folder key, or a converted description."""
         self.dtypes = dtypes
         self.into = into
 
@@ -325,21 +373,35 @@ class PretrainedSource(ReaderBase):
     def read_range(self, name: str, key: str, start: int, end: int) -> torch.Tensor:
         if key != "master":
             raise CheckpointError(f"{self.path}: pretrained weights hold no optimizer state")
-        stored, dtype = self.folder.info(self.sources[name])[0], self.dtypes[name]
+        source, dtype = self.sources[name], self.dtypes[name]
         if self.into is None:
-            return self.folder.read(self.sources[name], start, end).reshape(-1).to(dtype)
+            if isinstance(source, Node):
+                return read_target(source, start, end, self.folder.read,
+                                   torch.empty(end - start, dtype=dtype))
+            return self.folder.read(source, start, end).reshape(-1).to(dtype)
         master, offset = self.into[name]
         target = master[offset + start : offset + end]
+        if isinstance(source, Node):
+            return read_target(source, start, end, self.folder.read, target)
+        stored = self.folder.info(source)[0]
         if target.device.type == "cpu" and target.dtype == stored == dtype:
-            return self.folder.read(self.sources[name], start, end, out=target).reshape(-1)
-        target.copy_(self.folder.read(self.sources[name], start, end).reshape(-1).to(dtype))
+            return self.folder.read(source, start, end, out=target).reshape(-1)
+        target.copy_(self.folder.read(source, start, end).reshape(-1).to(dtype))
         return target  # commit_load copies it onto itself
 
     def module_info(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        return self.dtypes[key], self.folder.info(self.sources[key])[1]
+        source = self.sources[key]
+        if isinstance(source, Node):
+            return self.dtypes[key], source.shape
+        return self.dtypes[key], self.folder.info(source)[1]
 
     def module_tensor(self, key: str) -> torch.Tensor:
-        return self.folder.read(self.sources[key]).to(self.dtypes[key])
+        source = self.sources[key]
+        if isinstance(source, Node):
+            out = torch.empty(source.numel, dtype=self.dtypes[key])
+            return read_target(source, 0, source.numel, self.folder.read, out).view(
+                source.shape)
+        return self.folder.read(source).to(self.dtypes[key])
 
 
 def _in_place(engine: EngineView) -> dict[str, tuple[torch.Tensor, int]]:
@@ -384,7 +446,7 @@ def _source(engine: EngineView, folder: PretrainedFolder, key_map: KeyMap,
             f"{len(found.missing)} model keys missing from the folder "
             f"{found.missing[:5]}, {len(found.unexpected)} folder keys unexpected "
             f"{found.unexpected[:5]}; pass strict=False to load the rest")
-    sources: dict[str, str] = {}
+    sources: dict[str, str | Node] = {}
     manifest_dtypes: dict[str, torch.dtype] = {}
     params: dict[str, tuple[int, ...]] = {}
     aliases: dict[str, str] = {}

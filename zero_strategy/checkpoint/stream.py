@@ -52,29 +52,73 @@ def raw_bytes(value: torch.Tensor) -> memoryview:
 
 def write_safetensors(path: Path, shard: list[TensorOut],
                       metadata: dict[str, str] | None = None) -> None:
-    """One safetensors file, header first, then each tensor's data read and written alone.
-    The header lists tensors in state-dict order; the data is laid out widest dtype first
-    (as safetensors itself does), so every tensor starts aligned to its element size and
-    loads as a zero-copy view."""
+    """One safetensors file, header first, then each tensor's data read and written alone
+    (see ``StreamedFile``), widest dtype first."""
     layout = sorted(shard, key=lambda t: -t.dtype.itemsize)  # stable: state-dict order within
-    offsets, offset = {}, 0
-    for t in layout:
-        offsets[t.key] = [offset, offset + t.nbytes]
-        offset += t.nbytes
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
-    for t in shard:
-        header[t.key] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape),
-                         "data_offsets": offsets[t.key]}
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # tensor data 8-byte aligned, as safetensors writes it
-    with atomic_file(path) as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
+    with StreamedFile(path, shard, [t.key for t in layout], metadata) as f:
         for t in layout:
             value = tensor_value(t)
-            f.write(raw_bytes(value))
+            f.write(t.key, value)
             del value
 
+
+def widest_first(specs: list[Any]) -> list[Any]:
+    """The data order safetensors itself writes (stable within a width): every tensor then
+    starts aligned to its element size and loads as a zero-copy view."""
+    return sorted(specs, key=lambda t: -t.dtype.itemsize)
+
+
+class StreamedFile:
+    """A safetensors file written as its tensors arrive: the header (``specs`` in their
+    order, offsets from ``data_order``) first, then each tensor's bytes in ``data_order``,
+    each checked against its announcement. Written under a temporary name and renamed when
+    every tensor arrived (``atomic_file``); anything else leaves no file."""
+
+    def __init__(self, path: Path, specs: list[Any], data_order: list[str],
+                 metadata: dict[str, str] | None = None) -> None:
+        by_key = {t.key: t for t in specs}
+        if sorted(data_order) != sorted(by_key):
+            raise CheckpointError(f"{path}: the data order names other tensors than the "
+                                  "header")
+        offsets, offset = {}, 0
+        for key in data_order:
+            offsets[key] = [offset, offset + by_key[key].nbytes]
+            offset += by_key[key].nbytes
+        header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+        for t in specs:
+            header[t.key] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape),
+                             "data_offsets": offsets[t.key]}
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        self._header = blob + b" " * (-len(blob) % 8)  # data 8-byte aligned, as safetensors
+        self._pending = [by_key[k] for k in data_order]
+        self._path = path
+        self._atomic: Any = None
+        self._file: Any = None
+
+    def __enter__(self) -> StreamedFile:
+        self._atomic = atomic_file(self._path)
+        self._file = self._atomic.__enter__()
+        self._file.write(struct.pack("<Q", len(self._header)))
+        self._file.write(self._header)
+        return self
+
+    def write(self, key: str, value: torch.Tensor) -> None:
+        if not self._pending:
+            raise CheckpointError(f"{self._path}: tensor {key!r} arrived after the last one")
+        want = self._pending.pop(0)
+        if (key, tuple(value.shape), value.dtype) != (want.key, tuple(want.shape), want.dtype):
+            raise CheckpointError(f"{self._path}: expected {want.key!r} {want.dtype} "
+                                  f"{list(want.shape)}, got {key!r} {value.dtype} "
+                                  f"{list(value.shape)}")
+        self._file.write(raw_bytes(value.detach().cpu().contiguous()))
+
+    def __exit__(self, kind: Any, error: Any, trace: Any) -> bool | None:
+        if kind is None and self._pending:
+            error = CheckpointError(f"{self._path}: {len(self._pending)} tensors never "
+                                    f"arrived (first {self._pending[0].key!r})")
+            self._atomic.__exit__(CheckpointError, error, None)  # removes the partial file
+            raise error
+        return self._atomic.__exit__(kind, error, trace)
 
 
 def check_target(out: Path) -> None:
@@ -105,5 +149,35 @@ def staged_directory(out: Path) -> Iterator[Path]:
     fsync_dir(out.parent)
 
 
-__all__ = ["TensorOut", "check_target", "raw_bytes", "staged_directory", "tensor_value",
-           "write_safetensors"]
+@contextlib.contextmanager
+def staged_into(out: Path, stale: Callable[[str], bool]) -> Iterator[Path]:
+    """Where ``save_pretrained`` writes: into ``out`` even when it holds other files (a
+    Trainer's output directory). A new or empty ``out`` is ``staged_directory``; otherwise the
+    files are written into a hidden temporary directory inside it and, once all are written,
+    every file whose name ``stale`` accepts (an older save's weights) is removed and the new
+    files are moved in (renames, the index last), so a failure leaves ``out`` as it was."""
+    if not out.exists() or (out.is_dir() and not out.is_symlink() and not any(out.iterdir())):
+        with staged_directory(out) as tmp:
+            yield tmp
+        return
+    if not out.is_dir():
+        raise CheckpointError(f"{out}: exists and is not a directory")
+    tmp = out / f".save-tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        new = sorted(p.name for p in tmp.iterdir())
+        for old in out.iterdir():
+            if old.name not in new and old.is_file() and stale(old.name):
+                old.unlink()
+        for name in sorted(new, key=lambda n: n.endswith(".index.json")):
+            os.replace(tmp / name, out / name)
+        tmp.rmdir()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(out)
+
+
+__all__ = ["StreamedFile", "TensorOut", "check_target", "raw_bytes", "staged_directory",
+           "staged_into", "tensor_value", "widest_first", "write_safetensors"]

@@ -1,15 +1,18 @@
 """Dtypes of each copy of the model state (and of what the collectives send), input casts,
-and the dynamic loss scaler."""
+the forward's autocast, and the dynamic loss scaler."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
-from ..config import MAX_LOSS_SCALE, LossScaleConfig, ZeroConfig
+from ..config import LOSS_SCALED_PRECISIONS, MAX_LOSS_SCALE, LossScaleConfig, ZeroConfig
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,9 @@ class PrecisionPolicy:
     """Stage-3 parameter all-gathers go over the wire as block-wise int8 (``comm/int8.py``)."""
     int8_reductions: bool = False
     """Gradient reduce-scatters go over the wire as block-wise int8."""
+    autocast_dtype: torch.dtype | None = None
+    """The "-autocast" modes: the forward runs under ``torch.autocast`` in this dtype over
+    the (fp32) compute copy, as transformers' Trainer and Accelerate run mixed precision."""
 
     @property
     def separate_master(self) -> bool:
@@ -55,13 +61,26 @@ class PrecisionPolicy:
 
         return tree_map(cast, args), tree_map(cast, kwargs)
 
+    def forward_context(self, device: torch.device) -> Callable[[], Any]:
+        """What the engine's forward runs inside on ``device``, chosen once per engine: a
+        fresh autocast for the "-autocast" modes (around the module's forward only, where
+        Accelerate puts it: backward and the optimizer run outside), else nothing."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext
+        return functools.partial(torch.autocast, device_type=device.type,
+                                 dtype=self.autocast_dtype)
+
 
 _COMPUTE = {
     "32-true": torch.float32,
     "bf16-mixed": torch.bfloat16,
     "16-mixed": torch.float16,
     "bf16-true": torch.bfloat16,
+    # autocast casts per op from fp32 weights: the copy the engine keeps and gathers is fp32
+    "bf16-autocast": torch.float32,
+    "16-autocast": torch.float32,
 }
+_AUTOCAST = {"bf16-autocast": torch.bfloat16, "16-autocast": torch.float16}
 
 
 def make_policy(config: ZeroConfig) -> PrecisionPolicy:
@@ -74,9 +93,10 @@ def make_policy(config: ZeroConfig) -> PrecisionPolicy:
         compute_dtype=compute,
         master_dtype=master,
         reduce_dtype=reduce,
-        scales_loss=config.precision == "16-mixed",
+        scales_loss=config.precision in LOSS_SCALED_PRECISIONS,
         int8_gathers=config.quantize_weights == "int8",
         int8_reductions=config.quantize_gradients == "int8",
+        autocast_dtype=_AUTOCAST.get(config.precision),
     )
 
 

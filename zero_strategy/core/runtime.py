@@ -214,9 +214,11 @@ class Runtime:
             raise GatherOrderError(
                 f"stage 3: ranks are gathering different units ({names}). A module ran on "
                 "some ranks but not on others (e.g. a mixture-of-experts expert that received "
-                "no tokens on one rank). Gather such modules with their parent: list the "
-                "parent's class in ZeroConfig(unit_leaf_classes=[...]), or call every module "
-                "on every rank (an expert may run on an empty batch)")
+                "no tokens on one rank, in a block not recognised as routed: one is "
+                "recognised by a router parameter beside its list of experts). Gather such "
+                "modules with their parent: list the parent's class in "
+                "ZeroConfig(unit_leaf_classes=[...]), or call every module on every rank (an "
+                "expert may run on an empty batch)")
 
     def gather_for_access(self, unit: Unit) -> None:
         """A parameter of ``unit`` is read outside its module's forward: gather it now and

@@ -3,7 +3,8 @@
 Stages 0-2 group parameters into size-bounded buckets in reverse registration order (roughly
 the order backward produces their gradients). Stage 3 groups them by submodule, so a module's
 parameters are gathered just before it runs; a parameter registered in several modules (tied
-embeddings) belongs to the unit of their closest common ancestor.
+embeddings) belongs to the unit of their closest common ancestor. A routed block (mixture of
+experts, ``routed.py``) is one unit with everything below it, like a ``unit_leaf_classes`` class.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from torch import nn
 from ..comm.collectives import Communicator
 from ..offload.transfers import Copy, Transfers
 from .flat import FlatLayout, make_layout
-from .grads import GRAD_STORES, GradStore
+from .grads import GRAD_STORES, GradStore, powered_norm
 from .materialize import Materializer
 from .params import PARAM_STORES, ParamStore, Placement
 from .plan import UnitKind, ZeroPlan
+from .routed import routed_blocks
 
 NamedParams = list[tuple[str, nn.Parameter]]
 
@@ -132,7 +134,7 @@ class Unit:
         grad = self.master_grad  # waits for the copy
         self.grad_summary = None
         if grad.numel():  # the expressions the uncached passes evaluate, for equal bits
-            self.grad_summary = (torch.linalg.vector_norm(grad, 2.0, dtype=torch.float32) ** 2.0,
+            self.grad_summary = (powered_norm(grad, 2.0),
                                  torch.linalg.vector_norm(grad, float("inf")))
         # Kept unwritten: the last gradients of backward are the step's first, and one kept
         # to the end of the step is cleared by zero_grad() without ever being written.
@@ -224,17 +226,17 @@ def _owners(model: nn.Module, managed: NamedParams) -> dict[str, NamedParams]:
 
 def module_specs(
     model: nn.Module, managed: NamedParams, unit_numel: int, kind: UnitKind,
-    leaf_classes: tuple[str, ...] = (),
+    leaf_classes: tuple[str, ...] = (), leaf_modules: frozenset[int] = frozenset(),
 ) -> list[UnitSpec]:
     """Post-order walk: a module whose unclaimed parameters reach ``unit_numel`` becomes a unit;
-    a module of a leaf class becomes one unit with everything below it; the root takes
-    whatever is left."""
+    a module of a leaf class, or one of ``leaf_modules`` (ids: the routed blocks), becomes one
+    unit with everything below it; the root takes whatever is left."""
     owners = _owners(model, managed)
     specs: list[UnitSpec] = []
     seen: set[int] = set()
 
     def visit(path: str, module: nn.Module, inside_leaf: bool) -> NamedParams:
-        leaf = type(module).__name__ in leaf_classes
+        leaf = type(module).__name__ in leaf_classes or id(module) in leaf_modules
         pending = list(owners.get(path, []))
         for child_name, child in module.named_children():
             if id(child) in seen:
@@ -278,7 +280,8 @@ def plan_specs(model: nn.Module, managed: NamedParams, plan: ZeroPlan) -> list[U
     small = [(n, p) for n, p in managed if p.numel() < plan.persistence_threshold]
     small_ids = {id(p) for _, p in small}
     large = [(n, p) for n, p in managed if id(p) not in small_ids]
-    specs = module_specs(model, large, plan.unit_numel, layout.main, plan.unit_leaf_classes)
+    specs = module_specs(model, large, plan.unit_numel, layout.main, plan.unit_leaf_classes,
+                         routed_blocks(model))
     assert layout.persistent is not None
     specs += bucket_specs(small, plan.bucket_numel, layout.persistent)
     return specs

@@ -17,9 +17,11 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from ..checkpoint import export as checkpoint_export
 from ..checkpoint import pretrained as checkpoint_pretrained
 from ..checkpoint import read as checkpoint_read
 from ..checkpoint import write as checkpoint_write
+from ..checkpoint.save_hub import save_hub
 from ..config import ZeroConfig
 from ..core.materialize import InitFn
 from ..memory import report as memory_report
@@ -169,8 +171,77 @@ class ZeroEngine(EngineParts):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The consolidated module state dict on every rank: same keys and shapes as
-        ``model.state_dict()``, managed parameters as their master (fp32) values, on CPU."""
+        ``model.state_dict()``, managed parameters as their master (fp32) values, on CPU.
+
+        This holds the WHOLE model on EVERY rank (a collective): for saving use
+        ``save_pretrained`` and for handing weights to another engine ``hub_weights``, which
+        hold one bounded bucket at a time on the receiving rank only."""
         return state.full_module_state(self)
+
+    # ------------------------------------------------------------------ weights out
+    def save_pretrained(self, save_directory: str | os.PathLike, *,
+                        max_shard_size: int | str = "50GB", dtype: torch.dtype | None = None,
+                        safe_serialization: bool = True, writer: int = 0,
+                        bucket_bytes: int = checkpoint_export.DEFAULT_BUCKET_BYTES,
+                        extra_files: dict[str, bytes] | None = None) -> Path:
+        """Write what ``model.save_pretrained(save_directory)`` writes, streamed from the
+        shards (a collective: call it on every rank): ``model.safetensors``, or
+        ``model-0000i-of-0000N.safetensors`` and ``model.safetensors.index.json`` split at
+        ``max_shard_size`` (bytes, or "5GB"/"500MB"/"2GiB") by huggingface_hub's rule; for a
+        transformers model in the hub's layout (its weight conversions reverted, e.g. a MoE's
+        fused experts back to per-expert keys), tied weights left out, ``config.json`` and
+        ``generation_config.json`` beside. Weights are the masters (fp32 under mixed
+        precision), floating ones cast to ``dtype`` when given. A PEFT model writes its
+        adapter, as ``PeftModel.save_pretrained`` does (``adapter_model.safetensors``,
+        ``adapter_config.json``); a module holding a transformers model (a LightningModule's
+        ``self.model``) writes that model alone.
+
+        Rank ``writer`` writes every file; each tensor is gathered onto it alone, a bucket
+        of at most ``bucket_bytes`` (or one tensor, or one conversion group, where larger)
+        at a time, written and dropped: no rank's memory grows by more than that bucket
+        plus its conversion. Files go into a temporary directory moved into place when every
+        rank agreed all was written; an existing folder keeps its other files, an earlier
+        save's weights files are replaced. Returns the folder."""
+        self.check_open("save_pretrained")
+        if safe_serialization is not True:
+            raise ValueError("save_pretrained: safe_serialization=False asks for pickled "
+                             "pytorch_model.bin files; only safetensors are written")
+        with record_function("zero::save_pretrained"):
+            size = checkpoint_export.parse_size(max_shard_size)
+            return save_hub(self, save_directory, max_shard_bytes=size, dtype=dtype,
+                            bucket_bytes=bucket_bytes, writer=writer, extra_files=extra_files)
+
+    def hub_weight_buckets(self, *, bucket_bytes: int = checkpoint_export.DEFAULT_BUCKET_BYTES,
+                           to: int | str = 0, dtype: torch.dtype | None = None,
+                           merge_lora: bool = False, layout: Any = None,
+                           ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The model's weights in the hub's names and layout (as ``save_pretrained`` writes
+        them), a bucket at a time: a list of (name, tensor) whole on rank ``to`` (or on every
+        rank with ``to="all"``), an empty list on the others. A collective: every rank must
+        iterate it to the end, in step. A bucket holds at most ``bucket_bytes`` (a single
+        tensor or conversion group larger than that comes alone); nothing else is gathered,
+        and the engine holds no reference to a bucket once the next is asked for. Tensors are
+        on CPU, masters' values, floating ones cast to ``dtype`` when given. For a PEFT
+        model: its adapter under PEFT's names, or with ``merge_lora=True`` the base model
+        with the LoRA adapter merged into its weights (what an engine without adapters
+        loads). ``layout`` (a ``checkpoint.export.HubLayout``) overrides the registered one."""
+        self.check_open("hub_weight_buckets")
+        return checkpoint_export.hub_weight_buckets(self, bucket_bytes=bucket_bytes, to=to,
+                                                    dtype=dtype, merge_lora=merge_lora,
+                                                    layout=layout)
+
+    def hub_weights(self, *, bucket_bytes: int = checkpoint_export.DEFAULT_BUCKET_BYTES,
+                    to: int | str = 0, dtype: torch.dtype | None = None,
+                    merge_lora: bool = False,
+                    layout: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``hub_weight_buckets`` flattened: (name, tensor) pairs, what vLLM's
+        ``model.load_weights(weights)`` and ``module.load_state_dict(dict(...), strict=False)``
+        take. A collective, as ``hub_weight_buckets``; a consumer that keeps every tensor
+        holds the whole model, of course (load each and drop it)."""
+        for bucket in self.hub_weight_buckets(bucket_bytes=bucket_bytes, to=to, dtype=dtype,
+                                              merge_lora=merge_lora, layout=layout):
+            while bucket:
+                yield bucket.pop(0)
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """The user's optimizer state as an unsharded run's ``optimizer.state_dict()`` would

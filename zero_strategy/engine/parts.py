@@ -8,11 +8,14 @@ attribute: the forward and backward read them with no property or call in betwee
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..core.units import UnitComms
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from contextlib import AbstractContextManager
+
     import torch
     from torch import nn
 
@@ -47,6 +50,8 @@ class EngineParts:
     module: nn.Module
     device: torch.device
     plan: ZeroPlan
+    forward_context: Callable[[], AbstractContextManager[Any]]
+    """What the module's forward runs inside: autocast under the "-autocast" precisions."""
     activations: Activations
     pool: BufferPool
     transfers: Transfers

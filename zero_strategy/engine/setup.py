@@ -8,6 +8,8 @@ refuses what it can before anything is built.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -21,7 +23,7 @@ from ..core.activations import Activations
 from ..core.buffers import BufferPool
 from ..core.devices import canonical_device
 from ..core.generation import GenerationMode
-from ..core.hooks import HookSet, ModulePatches
+from ..core.hooks import GenerationContext, HookSet, ModulePatches
 from ..core.materialize import InitFn, Materializer, has_meta
 from ..core.params import Placement
 from ..core.plan import make_plan
@@ -54,6 +56,7 @@ def build(parts: EngineParts, model: nn.Module,
     materializer = Materializer(model, parts.device, param_init_fn) if has_meta(model) else None
     pretrained = checkpoint_pretrained.pending(model)  # weights to stream in, last
     parts.plan = make_plan(parts.config, parts.shards.world_size)
+    parts.forward_context = parts.plan.policy.forward_context(parts.device)
     user = as_one_optimizer(optimizer)
     existing = _existing_states(user)
     managed, group_of = managed_parameters(model, user)
@@ -151,10 +154,27 @@ def _install(parts: EngineParts, model: nn.Module) -> None:
                                plan.overlap_param_gather, world=parts.comm)
     parts.generation_mode = _generation_mode(parts)
     parts.patches = ModulePatches(parts.access, watch=bool(parts.access.watched),
-                                  generation=parts.generation_mode.holding
-                                  if parts.generation_mode is not None else None)
+                                  generation=_generation_context(parts))
     parts.patches.install(model)
     parts.optimizer_patches = state.patch_user_optimizers(parts)
+
+
+def _generation_context(parts: EngineParts) -> GenerationContext | None:
+    """What a model's ``generate`` runs inside: stage 3's generation mode, and under the
+    "-autocast" precisions the forward's autocast too (Accelerate autocasts the model's
+    ``forward`` itself, so a plain Trainer's ``generate`` runs under it as well)."""
+    holding = parts.generation_mode.holding if parts.generation_mode is not None else None
+    if parts.plan.policy.autocast_dtype is None:
+        return holding
+    forward_context = parts.forward_context
+
+    @contextlib.contextmanager
+    def generating() -> Iterator[bool]:
+        with forward_context(), (holding() if holding is not None
+                                 else contextlib.nullcontext(False)) as synced:
+            yield synced
+
+    return generating
 
 
 def _generation_mode(parts: EngineParts) -> GenerationMode | None:
@@ -171,13 +191,16 @@ def _generation_mode(parts: EngineParts) -> GenerationMode | None:
 
 
 def _prepare_unmanaged(parts: EngineParts, managed_ids: set[int]) -> None:
-    """Frozen parameters and buffers stay whole: cast to the compute dtype, rank 0's copy."""
+    """Frozen parameters and buffers stay whole: cast to the compute dtype, rank 0's copy.
+    Under autocast they keep the dtype they came in, as under Accelerate (autocast casts
+    per op; a bf16 frozen base stays bf16)."""
     compute = parts.plan.policy.compute_dtype
+    cast = parts.plan.policy.autocast_dtype is None
     tensors = [p for p in parts.module.parameters() if id(p) not in managed_ids]
     tensors += [b for b in parts.module.buffers() if b is not None]
     with torch.no_grad():
         for t in tensors:
-            if torch.is_floating_point(t) and t.dtype != compute:
+            if cast and torch.is_floating_point(t) and t.dtype != compute:
                 t.data = t.data.to(compute)
     if tensors:
         parts.comm.broadcast_coalesced(tensors)

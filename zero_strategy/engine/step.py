@@ -25,7 +25,8 @@ def forward(parts: EngineParts, args: tuple[Any, ...], kwargs: dict[str, Any]) -
             parts.comm.broadcast_coalesced(parts._buffers)
     args, kwargs = parts.plan.policy.cast_inputs(args, kwargs)
     try:
-        with record_function("zero::forward"), parts.activations.forward_pass():
+        with record_function("zero::forward"), parts.activations.forward_pass(), \
+                parts.forward_context():
             output = parts.module(*args, **kwargs)
     except BaseException as e:
         # The pass is abandoned (zero_grad() resets the runtime): what it saved for a

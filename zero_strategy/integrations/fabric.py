@@ -26,7 +26,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.types import _PATH
 from torch import nn
 
-from ..config import ZeroConfig
+from ..config import LOSS_SCALED_PRECISIONS, ZeroConfig
 from ..core.materialize import meta_init
 from ..engine import ZeroEngine
 from .hydra_launch import HydraJobLauncherMixin
@@ -36,6 +36,7 @@ from .shared import (
     EngineModule,
     backward_kwargs,
     build_config,
+    framework_precision_name,
     generic_precision_name,
     group_hyperparameters,
     has_meta_tensors,
@@ -58,12 +59,12 @@ class _FabricLauncher(HydraJobLauncherMixin, _SubprocessScriptLauncher):
 class ZeroFabricPrecision(fabric_precision.Precision):
     """Precision is the engine's job: no autocast, no module or input casts, no GradScaler.
 
-    The engine casts floating-point inputs to the compute dtype itself and scales the loss
-    for "16-mixed"; this plugin only carries the name.
+    The engine casts floating-point inputs to the compute dtype itself (or autocasts, under
+    "-autocast") and scales the loss for fp16; this plugin only carries Fabric's name for it.
     """
 
     def __init__(self, precision: str) -> None:
-        self.precision = precision  # type: ignore[assignment]
+        self.precision = framework_precision_name(precision)  # type: ignore[assignment]
 
 
 _FABRIC_GENERIC = (fabric_precision.Precision, fabric_precision.MixedPrecision,
@@ -227,7 +228,8 @@ class ZeroFabricStrategy(DDPStrategy):
         non-finite norms only raise when there is no loss scaling."""
         norm = self._engine_for(module, optimizer).clip_grad_norm_(float(max_norm),
                                                                     float(norm_type))
-        if error_if_nonfinite and self.config.precision != "16-mixed" and not norm.isfinite():
+        if error_if_nonfinite and self.config.precision not in LOSS_SCALED_PRECISIONS \
+                and not norm.isfinite():
             raise RuntimeError(
                 f"the total norm of order {norm_type} of the gradients is non-finite ({norm}); "
                 "pass error_if_nonfinite=False to clip_gradients to skip this check"

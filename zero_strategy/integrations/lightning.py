@@ -62,6 +62,7 @@ from .shared import (
     backward_kwargs,
     build_config,
     decode_state,
+    framework_precision_name,
     generic_precision_name,
     group_hyperparameters,
     has_meta_tensors,
@@ -109,12 +110,13 @@ def _slot(module: nn.Module) -> _EngineSlot:
 class ZeroPrecision(Precision):
     """Hands backward, clipping and the optimizer step to the engine.
 
-    No autocast, module conversion or input cast: the engine casts inputs to its compute
-    dtype itself, keeps fp32 masters for the mixed modes and scales the loss for "16-mixed".
+    No autocast, module conversion or input cast here: the engine casts inputs to its compute
+    dtype itself (or autocasts, under "-autocast"), keeps fp32 masters for the mixed modes and
+    scales the loss for fp16. ``precision`` is Lightning's name for the engine's.
     """
 
     def __init__(self, precision: str, strategy: ZeroStrategy) -> None:
-        self.precision = precision  # type: ignore[assignment]
+        self.precision = framework_precision_name(precision)  # type: ignore[assignment]
         self._strategy = strategy
         self._warned_backward = False
 

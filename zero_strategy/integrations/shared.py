@@ -78,6 +78,20 @@ def precision_explicit(config: ZeroConfig | None, options: dict[str, Any]) -> bo
     return "precision" in options or (config is not None and config.precision != "32-true")
 
 
+# Lightning's and Fabric's own precision names (the ones their ``precision=`` flag takes that
+# the engine runs). Lightning's "-mixed" means what its DeepSpeedStrategy does (low-precision
+# compute copies, fp32 masters: our "-mixed"); what its DDP does (autocast over fp32 weights)
+# is our "-autocast", chosen in the strategy's config beside the same flag.
+LIGHTNING_PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+_AUTOCAST_OF = {"bf16-mixed": ("bf16-autocast",), "16-mixed": ("16-autocast",)}
+
+
+def framework_precision_name(precision: str) -> str:
+    """The name Lightning and Fabric know for the engine's ``precision`` (what their
+    ``trainer.precision`` / plugin reports): "-autocast" is mixed precision to them."""
+    return precision.replace("-autocast", "-mixed")
+
+
 def merge_precision(config: ZeroConfig, flag: str, explicit: bool, owner: str,
                     framework: str) -> ZeroConfig:
     """Combine the framework's ``precision=`` flag (``framework``: "Trainer", "Fabric") with
@@ -86,12 +100,13 @@ def merge_precision(config: ZeroConfig, flag: str, explicit: bool, owner: str,
     The framework always passes a flag ("32-true" when the user gave none), so a config that
     chose a precision wins over "32-true"; two different explicit choices are an error.
     """
-    if flag not in PRECISIONS:
+    if flag not in LIGHTNING_PRECISIONS:
         raise ConfigError(
-            f"{owner} does not support precision={flag!r}; allowed: {list(PRECISIONS)} "
-            "(the engine keeps fp32 master weights for the mixed modes)"
+            f"{owner} does not support precision={flag!r}; allowed: "
+            f"{list(LIGHTNING_PRECISIONS)} (the engine keeps fp32 master weights for the "
+            "mixed modes)"
         )
-    agrees = PRECISIONS if flag == "32-true" else (flag,)
+    agrees = PRECISIONS if flag == "32-true" else (flag, *_AUTOCAST_OF.get(flag, ()))
     given = PrecisionFlag(f"{framework}(precision={flag!r})", flag, agrees)
     settled = reconcile_precision(config.precision if explicit else None, given,
                                   source=arguments(owner))
@@ -110,7 +125,8 @@ def generic_precision_name(plugin: Any, generic: tuple[type, ...], owner: str) -
         allowed = ", ".join(t.__name__ for t in generic)
         raise TypeError(
             f"{owner} handles precision itself and cannot use the plugin "
-            f"{type(plugin).__name__}; pass precision=... (one of {list(PRECISIONS)}) instead "
+            f"{type(plugin).__name__}; pass precision=... (one of {list(LIGHTNING_PRECISIONS)}) "
+            "instead "
             f"of a precision plugin (accepted generic plugins: {allowed})"
         )
     return str(plugin.precision)

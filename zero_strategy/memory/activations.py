@@ -137,6 +137,12 @@ def estimate_activations(
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                   or value < 1):
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if precision.endswith("-autocast"):
+        raise ValueError(
+            f"precision={precision!r}: the activation formula covers forwards on weights of "
+            f"one dtype ({sorted(PRECISION_BYTES)}); under autocast each op picks its own "
+            "dtype and keeps the low-precision casts of the weights it used for backward, "
+            "which the formula does not model")
     if precision not in PRECISION_BYTES:
         raise ValueError(f"precision must be one of {sorted(PRECISION_BYTES)}, got {precision!r}")
     if device not in DEVICES:

@@ -22,6 +22,7 @@ import torch
 from torch.profiler import record_function
 
 from ..comm.collectives import Communicator
+from ..core.grads import powered_norm
 from ..core.units import Unit
 from ..offload.disk import keep_budget
 from .combined import parts as combined_parts
@@ -466,8 +467,7 @@ def global_norm(grads: Iterable[torch.Tensor], norm_type: float, comm: Communica
         if sharded:
             comm.all_reduce_max(local)
         return local
-    parts = (torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type
-             for g in grads if g.numel())
+    parts = (powered_norm(g, norm_type) for g in grads if g.numel())
     return norm_of_parts(parts, norm_type, comm, sharded)
 
 

@@ -43,9 +43,13 @@ Where the ZeRO options come from, highest precedence first:
 ``ZeroAccelerator(zero_plugin=None)`` means ``ZeroPlugin.from_config()``. Precision: a
 ``precision`` set by (1) or (2) wins; otherwise it follows Accelerate's ``mixed_precision``
 (``Accelerator(mixed_precision=...)``, else the launch config / ``--mixed_precision``): ``no`` ->
-``32-true``, ``bf16`` -> ``bf16-mixed``, ``fp16`` -> ``16-mixed``. An explicit precision that
-contradicts a non-``no`` mixed_precision is an error. fp16 loss scaling is the engine's
-(``LossScaleConfig``), not a ``GradScaler``; Accelerate's own autocast is never switched on.
+``32-true``, ``bf16`` -> ``bf16-autocast``, ``fp16`` -> ``16-autocast``: what Accelerate
+itself runs, autocast over fp32 weights (the plugin may choose the compute copies,
+``bf16-mixed``/``16-mixed``, or ``bf16-true`` instead). An explicit precision that contradicts
+a non-``no`` mixed_precision is an error. The engine applies the autocast (around the model's
+forward, as Accelerate does) and the fp16 loss scaling (``LossScaleConfig``, by default with
+``GradScaler``'s knobs when the precision comes from ``mixed_precision``); Accelerate's own
+autocast and ``GradScaler`` are never switched on.
 
 A bad plugin config (unknown key, wrong type, invalid value) raises ``ConfigError`` (a
 ``ValueError``) naming the key and the file when the plugin is built, before any process group,

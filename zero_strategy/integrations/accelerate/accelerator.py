@@ -17,17 +17,22 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import DynamoBackend, InitProcessGroupKwargs, convert_to_fp32
+from accelerate.utils import DynamoBackend, InitProcessGroupKwargs
 from torch import nn
 from torch.utils.data import DataLoader
 
 from ...checkpoint import read as checkpoint_read
 from ...checkpoint.dcp import dcp_directories
 from ...checkpoint.errors import CheckpointError
+from ...checkpoint.export import PlainLayout, parse_size
+from ...checkpoint.save_hub import save_hub
 from ...checkpoint.verify import member
 from ...comm import collectives
+from ...core.precision import make_policy
 from ...engine import ZeroEngine
 from ..step_turns import StepTurns
+from .frozen import build_frozen
+from .models import ZeroFrozenModel, ZeroModel
 from .plugin import ZeroPlugin
 from .state import (
     CHECKPOINT_SUBDIR,
@@ -39,46 +44,6 @@ from .state import (
 
 
 # ---------------------------------------------------------------------------------- wrappers
-class ZeroModel(nn.Module):
-    """What ``prepare`` returns for the model: calls go through the engine.
-
-    ``module`` is the user's model (``named_parameters`` carry a ``module.`` prefix, as with
-    DDP); at stage 3 its parameter storage is freed between uses, so read weights through
-    ``accelerator.get_state_dict(model)`` rather than the module.
-    """
-
-    def __init__(self, engine: ZeroEngine) -> None:
-        super().__init__()
-        self.module = engine.module
-        self.engine = engine  # not an nn.Module: a plain attribute
-        # Accelerate hands mixed-precision outputs back in fp32 (so the loss is fp32); do the same.
-        self._fp32_outputs = engine.config.precision.endswith("-mixed")
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        output = self.engine(*args, **kwargs)
-        return convert_to_fp32(output) if self._fp32_outputs else output
-
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        return self.engine.no_sync()
-
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
-                   keep_vars: bool = False) -> dict[str, torch.Tensor]:
-        """Consolidated fp32 weights (a collective: every rank must call it), ``module.`` keys."""
-        full = self.engine.full_state_dict()
-        return {f"{prefix}module.{key}": value for key, value in full.items()}
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """A full state dict (``module.`` keys as ``state_dict()`` writes them, or the user
-        model's own keys) into the shards; checked before anything is written."""
-        if assign:
-            raise ValueError("assign=True would replace tensors the ZeRO engine owns; load "
-                             "with assign=False")
-        prefix = "module."
-        if state_dict and all(k.startswith(prefix) for k in state_dict):
-            state_dict = {k[len(prefix):]: v for k, v in state_dict.items()}
-        return self.engine.load_state_dict(state_dict, strict=strict)
-
-
 class ZeroOptimizer(AcceleratedOptimizer):
     """What ``prepare`` returns for each optimizer: ``step``/``zero_grad`` drive the engine on
     the micro-batches where Accelerate synchronises gradients, and do nothing on the others.
@@ -153,12 +118,29 @@ class ZeroAccelerator(Accelerator):
         self._zero_model: ZeroModel | None = None
         self._zero_optimizers: list[ZeroOptimizer] = []
         self._zero_turns: StepTurns | None = None
+        self._zero_frozen: list[ZeroFrozenModel] = []
         _ensure_process_group(self.device, self.num_processes)
 
     @property
     def mixed_precision(self) -> str:
         """Accelerate's name for the precision in use (the engine applies it)."""
         return self._zero_mixed_precision
+
+    @contextlib.contextmanager
+    def autocast(self, autocast_handler: Any = None) -> Iterator[None]:
+        """Accelerate's ``autocast()`` block (TRL's trainers score and compute losses in one)
+        in the engine's precision: the autocast its forward runs in under "-autocast", as
+        Accelerate's own under ``mixed_precision``; nothing under the other precisions, whose
+        weights already have their compute dtype. ``autocast_handler`` (``AutocastKwargs``)
+        overrides the accelerator's, as in Accelerate."""
+        dtype = make_policy(self.zero_config).autocast_dtype
+        handler = autocast_handler if autocast_handler is not None else self.autocast_handler
+        if dtype is None:
+            yield
+            return
+        kwargs = handler.to_kwargs() if handler is not None else {}
+        with torch.autocast(self.device.type, dtype=dtype, **kwargs):
+            yield
 
     @property
     def engine(self) -> ZeroEngine:
@@ -193,6 +175,42 @@ class ZeroAccelerator(Accelerator):
             for i, obj in zip(rest, prepared):
                 results[i] = obj
         return tuple(results) if len(results) > 1 else results[0]
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> nn.Module:
+        """Accelerate's, but at stage 3 a model prepared for evaluation only (a reference,
+        reward or teacher model beside the trained one: TRL's trainers ask for it so) is
+        sharded by a frozen engine of its own (``frozen.py``): 1/N of its weights per rank,
+        no gradients, no optimizer state. At stages 0-2 it stays whole on every rank, as the
+        trained model's parameters do."""
+        zero = self._zero_model
+        if zero is not None and (model is zero or model is zero.module):
+            return zero
+        shard = (evaluation_mode and self.zero_config.stage == 3 and not self._trains(model)
+                 and any(True for _ in model.parameters()))  # a parameter-free one as before
+        if isinstance(model, ZeroFrozenModel) or shard:
+            return self._prepare_frozen(model, device_placement)
+        return super().prepare_model(model, device_placement, evaluation_mode)
+
+    def _trains(self, model: nn.Module) -> bool:
+        """Whether ``model`` is (or will be) the one prepared with its optimizer; a training
+        loop that knows its model before ``prepare`` (Trainer) says so here."""
+        return False
+
+    def _prepare_frozen(self, model: nn.Module, device_placement: bool | None) -> nn.Module:
+        if isinstance(model, ZeroFrozenModel):
+            if all(m is not model for m in self._zero_frozen):
+                raise ValueError("this frozen ZeRO model was prepared by another accelerator")
+            return model
+        if isinstance(model, ZeroModel):
+            raise ValueError("prepare_model(evaluation_mode=True) got a model another "
+                             "ZeroAccelerator trains; pass an unwrapped model")
+        placement = self.device_placement if device_placement is None else device_placement
+        frozen = build_frozen(model, self.zero_config, len(self._zero_frozen),
+                              self.device if placement else None)
+        self._zero_frozen.append(frozen)
+        self._models.append(frozen)
+        return frozen
 
     def _prepared_again(self, args: tuple[Any, ...]) -> Any:
         """The objects ``prepare`` already returned, when it is given the ZeRO model (or its
@@ -317,17 +335,39 @@ class ZeroAccelerator(Accelerator):
     # ------------------------------------------------------------------ weights
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
                      keep_torch_compile: bool = True) -> nn.Module:
-        if isinstance(model, ZeroModel):
+        if isinstance(model, (ZeroModel, ZeroFrozenModel)):
             return model.module
         return super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """Consolidated fp32 weights with the user's keys, on every rank (a collective: call
-        it on all ranks; ``save_model`` does)."""
+        it on all ranks). This holds the WHOLE model on every rank; ``save_model`` streams
+        from the shards instead."""
         zero = self._zero_model
         if zero is not None and (model is zero or model is zero.module):
             return self.engine.full_state_dict()
+        for frozen in self._zero_frozen:
+            if model is frozen or model is frozen.module:
+                return frozen.engine.full_state_dict()
         return super().get_state_dict(model, unwrap)
+
+    def save_model(self, model: nn.Module, save_directory: str | os.PathLike[str],
+                   max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> None:
+        """What Accelerate's ``save_model`` writes (the model's state dict under its own keys,
+        ``model.safetensors`` or shards and an index split at ``max_shard_size``, a tensor
+        named twice written once), streamed from the shards: the main process writes, each
+        tensor gathered onto it alone, a bucket at a time (a collective: call it on every
+        process)."""
+        zero = self._zero_model
+        if zero is None or not (model is zero or model is zero.module):
+            return super().save_model(model, save_directory, max_shard_size=max_shard_size,
+                                      safe_serialization=safe_serialization)
+        if not safe_serialization:
+            raise ValueError("save_model(safe_serialization=False) asks for pickled files; "
+                             "the ZeRO model is written as safetensors only")
+        save_hub(self.engine, save_directory, max_shard_bytes=parse_size(max_shard_size),
+                 layout=PlainLayout(drop_aliases=True))
+        return None
 
     # ------------------------------------------------------------------ checkpoints
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
@@ -435,6 +475,9 @@ class ZeroAccelerator(Accelerator):
         if self._zero_model is not None:
             self.engine.close()
             self._zero_model, self._zero_optimizers, self._zero_turns = None, [], None
+        for frozen in self._zero_frozen:
+            frozen.engine.close()
+        self._zero_frozen = []
         return super().free_memory(*objects)
 
 

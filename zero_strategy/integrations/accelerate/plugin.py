@@ -26,11 +26,18 @@ CONFIG_ENV = "ZERO_STRATEGY_CONFIG"
 CODE_SOURCE = "ZeroPlugin(...) arguments"
 """How errors name options given in code."""
 
-# Accelerate's mixed_precision names and the engine precision each one means by default.
-_FROM_ACCELERATE = {"no": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
+# Accelerate's mixed_precision names and the engine precision each one means by default:
+# what Accelerate itself runs (and transformers' Trainer through it), autocast over fp32
+# weights. The compute copies ("-mixed") are a choice made in the plugin.
+_FROM_ACCELERATE = {"no": "32-true", "bf16": "bf16-autocast", "fp16": "16-autocast"}
 # Explicit engine precisions that agree with each Accelerate setting ("no" leaves it to us).
-COMPATIBLE_PRECISIONS = {"no": set(PRECISIONS), "bf16": {"bf16-mixed", "bf16-true"},
-                         "fp16": {"16-mixed"}}
+COMPATIBLE_PRECISIONS = {"no": set(PRECISIONS),
+                         "bf16": {"bf16-autocast", "bf16-mixed", "bf16-true"},
+                         "fp16": {"16-autocast", "16-mixed"}}
+# Accelerate's fp16 scales the loss with torch's GradScaler: its default knobs (halve at every
+# overflow, double after 2000 clean steps) in LossScaleConfig's words, used when the precision
+# comes from mixed_precision and the plugin sets no loss_scale of its own.
+GRAD_SCALER_LOSS_SCALE = {"initial_scale": 2.0**16, "growth_interval": 2000, "hysteresis": 1}
 
 
 class ZeroPlugin:
@@ -73,6 +80,9 @@ class ZeroPlugin:
         values = dict(self.options)
         if mixed_precision is not None:
             values["precision"] = self.settle_precision(mixed_precision)
+            if "precision" not in self.options and "loss_scale" not in values \
+                    and values["precision"] == _FROM_ACCELERATE["fp16"]:
+                values["loss_scale"] = dict(GRAD_SCALER_LOSS_SCALE)
         elif "precision" not in values and "loss_scale" in values:
             values["precision"] = "16-mixed"  # validation only: loss scaling implies fp16 will come
         return ZeroConfig.from_options(values, source=self.source)

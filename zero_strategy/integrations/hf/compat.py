@@ -72,6 +72,8 @@ TRAINER_OVERRIDES = (
              why="fp16 loss scaling is the engine's"),
     Function(owner=TRAINER, name="_load_best_model",
              why="the best checkpoint's exact masters, from its sharded copy"),
+    Function(owner=TRAINER, name="_save", params=("output_dir", "state_dict"),
+             why="without a state dict, the weights stream from the shards"),
 )
 """Trainer's private methods ``ZeroTrainerMixin`` overrides (every one of them)."""
 
@@ -159,8 +161,13 @@ PRETRAINED_NAMES = (
              why="renames a folder key as transformers' loader does"),
     Attribute(owner="transformers.core_model_loading", name="WeightRenaming",
               why="a renaming among the conversion mapping's transforms"),
+    Function(owner="transformers.core_model_loading:Conv3dToLinear",
+             name="_get_target_pattern",
+             params=("input_dict", "source_patterns", "target_patterns"),
+             why="the target name a Conv3dToLinear (and its reverse) gives, replayed by the "
+                 "streamed conversions"),
     Attribute(owner="transformers.core_model_loading", name="WeightConverter",
-              why="a converter (tensors merged or split), which streaming refuses"),
+              why="a converter (tensors merged or split), replayed by the streamed conversions"),
     Function(owner="transformers.generation.utils:GenerationMixin",
              name="adjust_generation_fn",
              params=("generation_config", "from_auto_class", "from_pipeline",
@@ -170,11 +177,20 @@ PRETRAINED_NAMES = (
              why="reads the folder's generation_config.json as from_pretrained does"),
 )
 
+IGNORED_ON_SAVE = Attribute(
+    owner=PRETRAINED, name="_keys_to_ignore_on_save",
+    why="keys save_pretrained leaves out; the streamed save leaves them out too")
+TIED_WEIGHTS = Attribute(
+    owner=PRETRAINED, name="_tied_weights_keys",
+    why="which of two keys naming one tensor save_pretrained leaves out")
+SAVE_NAMES = (IGNORED_ON_SAVE, TIED_WEIGHTS)
+"""What ``hub_layout.py`` reads to write what ``save_pretrained`` writes."""
+
 ALL: tuple[Function | Attribute, ...] = (
     *TRAINER_OVERRIDES, *TRAINER_HOOKS, *TRAINER_CALLS, TRAINER_ACCELERATOR, FSDP_MANAGED,
     ACCELERATOR_MODELS, ACCELERATOR_OPTIMIZERS, ACCELERATOR_SCHEDULERS,
     ACCELERATOR_DATALOADERS, *ACCELERATE_ADAPTER, CHECKPOINTING_LAYER, CHECKPOINTING_FUNCTION,
-    *PRETRAINED_NAMES,
+    *PRETRAINED_NAMES, *SAVE_NAMES,
 )
 """Every name above, for the test."""
 

@@ -44,6 +44,7 @@ from ...comm.collectives import default_device, group_backend
 from ...core.materialize import meta_init, set_module_init
 from .. import require
 from . import compat
+from .conversions import planner
 
 _HUB = "downloading from the Hub: pass a local folder (huggingface_hub.snapshot_download)"
 _DISPATCH = ("device_map dispatch: the engine places every shard (build a ZeroEngine, or use "
@@ -99,6 +100,7 @@ def from_pretrained(model_class: type[nn.Module], path: str | os.PathLike, *mode
     generation = kwargs.pop("generation_config", None)
     trust = kwargs.pop("trust_remote_code", None)
     config, model_kwargs = _config(model_class, folder.path, kwargs, trust)
+    _refuse_quantized(config, folder)
     dtype = _dtype(requested, config, folder)
     config.name_or_path = str(path)
     model, key_map, found = _build(model_class, config, dtype, folder, model_args,
@@ -134,6 +136,21 @@ def _refuse(kwargs: dict[str, Any]) -> None:
         kwargs.pop(name, None)
     for name in _REFUSED:
         kwargs.pop(name, None)
+
+
+def _refuse_quantized(config: Any, folder: PretrainedFolder) -> None:
+    """A folder saved quantized stores integer or fp8 tensors and their scales, which
+    transformers turns into modules the engine does not train."""
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else \
+            getattr(quant, "quant_method", None)
+        raise CheckpointError(
+            f"{folder.path / 'config.json'}: field 'quantization_config' (quant_method="
+            f"{method!r}): a quantized checkpoint cannot be streamed into shards (the engine "
+            "trains float parameters); load it with transformers, dequantized (e.g. "
+            "Model.from_pretrained(path, quantization_config=..., with dequantize=True where "
+            "the method has it), then build the engine on that model")
 
 
 def _config(model_class: type[nn.Module], path: Path, kwargs: dict[str, Any],
@@ -233,37 +250,27 @@ def key_map_for(model: nn.Module, path: Path | None = None) -> KeyMap:
         ignored.add(r"(^|\.)position_ids$")
     return KeyMap(
         prefix=getattr(model, "base_model_prefix", "") or "",
-        rename=_renamer(model, path),
+        rename=_renamer(model),
         ignore_missing=tuple(sorted(getattr(model, compat.IGNORE_MISSING.name, None)
                                     or ())),
-        ignore_unexpected=tuple(sorted(ignored)))
+        ignore_unexpected=tuple(sorted(ignored)),
+        convert=planner(model))
 
 
-def _renamer(model: nn.Module, path: Path | None) -> Callable[[str], str] | None:
-    """transformers' renamings of legacy keys (``LayerNorm.gamma``); a key that needs one of
-    its converters (tensors merged or split on load, as Mixtral's experts) is refused."""
+def _renamer(model: nn.Module) -> Callable[[str], str] | None:
+    """transformers' renamings of legacy keys (``LayerNorm.gamma``). The keys its converters
+    take (tensors merged or split on load, as Mixtral's experts) never come here: the
+    ``KeyMap.convert`` planner (``conversions.py``) consumes them first."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import (
-            WeightConverter,
-            WeightRenaming,
-            rename_source_key,
-        )
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
     except ImportError:  # a transformers without conversion mappings renames nothing
         return None
     transforms = get_model_conversion_mapping(model, None, None)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    where = f"{path}: " if path is not None else ""
 
     def rename(key: str) -> str:
-        renamed, pattern = rename_source_key(key, renamings, converters)
-        if pattern is not None:
-            raise CheckpointError(
-                f"{where}tensor {key!r} needs transformers' weight conversion {pattern!r} "
-                "(tensors merged or split when loaded), which streaming into shards does not "
-                "do; load it with Model.from_pretrained and save it again")
-        return renamed
+        return rename_source_key(key, renamings, [])[0]
 
     return rename
 

@@ -17,13 +17,17 @@ logging, evaluation, callbacks and data handling to ``Trainer``:
 - ``checkpoint-N/`` holds the consolidated weights (``save_pretrained``'s files), our sharded
   model and optimizer in ``zero_checkpoint/``, and Trainer's own scheduler, RNG and
   ``trainer_state.json``; ``resume_from_checkpoint`` reads the sharded copy, on any world size;
-- ``save_model()`` consolidates on every rank (a collective) and rank 0 writes what
-  ``save_pretrained`` writes (for a PEFT model, the adapter only);
+- ``save_model()`` (and the weights of every ``checkpoint-N/``) writes what
+  ``save_pretrained`` writes (for a PEFT model, the adapter only), streamed from the shards:
+  rank 0 writes, each tensor gathered onto it alone, a bucket at a time (a collective);
 - at stage 3, ``generate()`` (Trainer's evaluation, ``Seq2SeqTrainer``'s
   ``predict_with_generate``, TRL's ``unwrap_model_for_generation``) runs in the engine's
   generation mode: each unit gathered once per call and held while it fits
   ``generation_gather_budget``, else gathered per forward with the ranks kept in step
-  (transformers' ``synced_gpus``, which the model's FSDP flag below also asks for).
+  (transformers' ``synced_gpus``, which the model's FSDP flag below also asks for);
+- TRL's reference and reward models (``prepare_model(..., evaluation_mode=True)``) are
+  sharded at stage 3 by frozen engines of their own (``ZeroAccelerator``); Trainer's own
+  model never is; TRL's ``sync_ref_model`` goes through both engines (``trl.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -47,8 +52,10 @@ from ..accelerate import (
     ZeroPlugin,
     has_accelerator_device,
 )
-from . import compat
+from . import compat, export, trl
 
+TRAINING_ARGS_FILE = "training_args.bin"
+"""Trainer's name for the pickled ``TrainingArguments`` beside a saved model."""
 SCHEDULER_FILE = "scheduler.pt"
 """Trainer's name for the LR scheduler's state inside ``checkpoint-N``."""
 
@@ -69,20 +76,32 @@ class _TrainerAccelerator(ZeroAccelerator):
     """``ZeroAccelerator`` as ``Trainer`` drives it: Trainer frees the accelerator's objects at
     the start of every ``train()`` and prepares the model and optimizer again; the engine (the
     sharded weights and optimizer state) must survive that, so ``free_memory()`` keeps it and
-    ``prepare`` hands the same wrappers back."""
+    ``prepare`` hands the same wrappers back. Frozen models prepared for evaluation beside it
+    (TRL's reference and reward models) are kept the same way; Trainer's own model is never
+    one of them, even when Trainer prepares it for an evaluation before ``train()``."""
+
+    trainer: Any = None
+    """The Trainer building this accelerator (a weak reference, set once it exists)."""
+
+    def _trains(self, model: nn.Module) -> bool:
+        trainer = self.trainer() if self.trainer is not None else None
+        return trainer is not None and model is trainer.model
 
     def free_memory(self, *objects: Any) -> Any:
-        if objects or self._zero_model is None:
+        if objects or (self._zero_model is None and not self._zero_frozen):
             return super().free_memory(*objects)
         # Accelerate's private lists of what it prepared, by the names compat.py pins
         models, optimizers = compat.ACCELERATOR_MODELS.name, compat.ACCELERATOR_OPTIMIZERS.name
-        kept_models = [m for m in getattr(self, models) if m is self._zero_model]
+        kept_models = [m for m in getattr(self, models)
+                       if m is self._zero_model or any(m is f for f in self._zero_frozen)]
         kept_optimizers = [o for o in getattr(self, optimizers)
                            if any(o is z for z in self._zero_optimizers)]
         setattr(self, compat.ACCELERATOR_SCHEDULERS.name, [])
         setattr(self, compat.ACCELERATOR_DATALOADERS.name, [])
         setattr(self, models, kept_models)
         setattr(self, optimizers, kept_optimizers)
+        if self._zero_model is None:  # the first train(): as Accelerate's own free_memory
+            self.step = 0
         return None
 
 
@@ -92,7 +111,9 @@ class ZeroTrainerMixin:
     def __init__(self, *args: Any, zero_plugin: ZeroPlugin | None = None, **kwargs: Any) -> None:
         # Trainer.__init__ builds the accelerator, which needs the plugin: set it first.
         self.zero_plugin = zero_plugin if zero_plugin is not None else ZeroPlugin.from_config()
-        super().__init__(*args, **kwargs)
+        with trl.streamed_references(self):
+            super().__init__(*args, **kwargs)
+        trl.adapt_callbacks(self)  # TRL's trainers add theirs in their __init__
 
     # ------------------------------------------------------------------ accelerator
     def create_accelerator_and_postprocess(self) -> None:
@@ -102,6 +123,7 @@ class ZeroTrainerMixin:
         build = functools.partial(_TrainerAccelerator, zero_plugin=self.zero_plugin)
         with _trainer_builds(build):
             super().create_accelerator_and_postprocess()
+        self.accelerator.trainer = weakref.ref(self)
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         """Not at construction: ``ZeroAccelerator.prepare`` puts the model on the device when
@@ -149,17 +171,42 @@ class ZeroTrainerMixin:
 
     # ------------------------------------------------------------------ saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """The consolidated weights in ``save_pretrained``'s format (a collective: call it on
-        every rank; Trainer's own callers do)."""
+        """What ``save_pretrained`` writes (for a PEFT model, its adapter), streamed from the
+        shards: each tensor gathered onto the process that saves, a bucket at a time, no rank
+        ever holding the whole model (a collective: call it on every rank; Trainer's own
+        callers do, ``checkpoint-N/`` included)."""
         engine = self.zero_engine
         if engine is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state_dict = engine.full_state_dict()
-        self._save(output_dir, state_dict=state_dict)
+        self._save_streamed(engine, output_dir)
         self.accelerator.wait_for_everyone()
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Trainer's writer, reached with a ``state_dict`` only by callers that consolidated
+        one themselves; without, once the engine exists, the weights stream from the shards
+        (``save_model``)."""
+        engine = self.zero_engine
+        if engine is None or state_dict is not None:
+            return super()._save(output_dir, state_dict=state_dict)
+        self._save_streamed(engine, output_dir if output_dir is not None
+                            else self.args.output_dir)
+        return None
+
+    def _save_streamed(self, engine: Any, output_dir: str) -> None:
+        """The weights (rank 0 writes), then what Trainer saves beside them on the saving
+        process: the processing class (or the collator's tokenizer) and the arguments."""
+        export.save_model(engine, output_dir)
+        if not self.args.should_save:
+            return
+        tokenizer = self.processing_class
+        if tokenizer is None and self.data_collator is not None:
+            tokenizer = getattr(self.data_collator, "tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_FILE))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.zero_engine is None:
