@@ -17,7 +17,8 @@ the kernel's high-water mark (``VmHWM``, through ``/proc/self/clear_refs``) when
 starts: the phase's growth is its peak less the RSS when it began (for loading: less the RSS
 after imports and process-group set-up). A system that fails is a row with its error::
 
-    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python bench/lifecycle_bench.py \\
+    MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 \\
+        python bench/lifecycle_bench.py \\
         --json bench/results/lifecycle-<date>.json [--models dense,moe] [--worlds 2,3]
 
 bench/README.md ("A job's life: load, first step, save") says what every figure means.
