@@ -23,7 +23,6 @@ import os
 import resource
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from trainer_bench import _last_error, _versions, _worker_env
+from trainer_bench import _last_error, _versions, run_workers
 
 SEED = 1234
 SYSTEMS = ("zs_zero3", "ddp", "deepspeed_zero3")
@@ -48,14 +47,7 @@ def launch(system: str, round_: int, opts: argparse.Namespace) -> dict:
                "--nproc_per_node", str(opts.nproc), __file__, "--worker", system,
                "--out", str(out), "--warmup", str(opts.warmup), "--steps", str(opts.steps)]
     start = time.perf_counter()
-    try:
-        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=opts.timeout, env=_worker_env())
-        log, rc = done.stdout, done.returncode
-    except subprocess.TimeoutExpired as e:
-        log, rc = (e.stdout or b"").decode(errors="replace"), f"timeout {opts.timeout} s"
-    (out / "log.txt").write_text(log)
-    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    log, rc, ranks = run_workers(command, out, opts.timeout)
     row: dict[str, Any] = {"system": system, "round": round_}
     errors = [r["error"] for r in ranks if "error" in r]
     if errors:

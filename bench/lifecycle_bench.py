@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +37,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from trainer_bench import _last_error, _versions, _worker_env
+from trainer_bench import _last_error, _versions, run_workers
 
 SEED = 1234
 SYSTEMS = ("zs_zero3", "ddp", "deepspeed_zero3")
@@ -97,14 +96,7 @@ def launch(system: str, kind: str, world: int, folder: Path, opts: argparse.Name
                "--nproc_per_node", str(world), __file__, "--worker", system, "--kind", kind,
                "--model", str(folder), "--out", str(out)]
     start = time.perf_counter()
-    try:
-        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=opts.timeout, env=_worker_env())
-        log, rc = done.stdout, done.returncode
-    except subprocess.TimeoutExpired as e:
-        log, rc = (e.stdout or b"").decode(errors="replace"), f"timeout {opts.timeout} s"
-    (out / "log.txt").write_text(log)
-    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    log, rc, ranks = run_workers(command, out, opts.timeout)
     row: dict[str, Any] = {"system": system, "model": kind, "world": world}
     errors = [r["error"] for r in ranks if "error" in r]
     if errors:

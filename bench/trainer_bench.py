@@ -86,14 +86,7 @@ def launch(worker: str, folder: Path, shape: Shape, opts: argparse.Namespace) ->
                "--model", str(folder), "--out", str(out), "--shape", json.dumps(asdict(shape)),
                "--warmup", str(opts.warmup), "--steps", str(opts.steps)]
     start = time.perf_counter()
-    try:
-        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=opts.timeout, env=_worker_env())
-        log, rc = done.stdout, done.returncode
-    except subprocess.TimeoutExpired as e:
-        log, rc = (e.stdout or b"").decode(errors="replace"), f"timeout {opts.timeout} s"
-    (out / "log.txt").write_text(log)
-    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    log, rc, ranks = run_workers(command, out, opts.timeout)
     row = combine(worker, ranks, opts.warmup)
     if "error" not in row and (rc != 0 or len(ranks) != opts.nproc):
         row["error"] = f"exit {rc}: {_last_error(log)}"
@@ -101,6 +94,21 @@ def launch(worker: str, folder: Path, shape: Shape, opts: argparse.Namespace) ->
     print(f"{worker}: {row.get('error', 'ok')} ({row['wall_s']:.0f} s, log {out}/log.txt)",
           flush=True)
     return row
+
+
+def run_workers(command: list[str], out: Path, timeout: float
+                ) -> tuple[str, int | str, list[dict[str, Any]]]:
+    """Run a torchrun ``command`` whose ranks write ``out/rank*.json``: its log (also kept as
+    ``out/log.txt``), its exit code (or "timeout T s") and the ranks' results."""
+    try:
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=timeout, env=_worker_env())
+        log, rc = done.stdout, done.returncode
+    except subprocess.TimeoutExpired as e:
+        log, rc = (e.stdout or b"").decode(errors="replace"), f"timeout {timeout} s"
+    (out / "log.txt").write_text(log)
+    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    return log, rc, ranks
 
 
 def _worker_env() -> dict[str, str]:
