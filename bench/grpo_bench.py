@@ -361,9 +361,10 @@ TRL's `GRPOTrainer` three ways (`bench/grpo_bench.py`; what every figure means:
 
 - Command: `{result['command']}`
 - Date: {result['date']}. Machine: the 2-core development machine, {result['nproc']}
-  processes with one thread each (`OMP_NUM_THREADS=1`), gloo, fp32, CPU; **shared with other
-  jobs while it ran** (1-minute load average {result['load_average'][0]} at the start,
-  {result['load_average'][1]} at the end), so step times are noisy: the systems alternated
+  processes with one thread each (`OMP_NUM_THREADS=1`), gloo, fp32, CPU; 1-minute load
+  average {result['load_average'][0]} at the start and {result['load_average'][1]} at the end
+  (the job itself adds about 2; more means other jobs shared the 2 cores and step times are
+  noisier): the systems alternated
   for {rounds} rounds (DeepSpeed in the first {ds_rounds}); each row's times are its least
   disturbed round, x DDP the median over rounds of its step over DDP's in the same round.
   {result['versions']}.
