@@ -30,7 +30,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from trainer_bench import _last_error, _versions, run_workers
+from trainer_bench import _last_error, _versions, deepspeed_zero3, run_workers, write_results
 
 SEED = 1234
 SYSTEMS = ("zs_zero3", "ddp", "deepspeed_zero3")
@@ -191,10 +191,7 @@ def config(system: str, out: Path, steps: int) -> Any:
 
     extra: dict[str, Any] = {}
     if system == "deepspeed_zero3":
-        extra["deepspeed"] = {
-            "zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-            "steps_per_print": 10**9}
+        extra["deepspeed"] = deepspeed_zero3()
     return GRPOConfig(
         output_dir=str(out), per_device_train_batch_size=BATCH, num_generations=GENERATIONS,
         max_completion_length=COMPLETION, generation_kwargs={"min_new_tokens": COMPLETION},
@@ -342,12 +339,7 @@ def combine_runs(runs: list[dict]) -> dict:
 
 
 def write(opts: argparse.Namespace, result: dict) -> None:
-    if opts.json:
-        opts.json.parent.mkdir(parents=True, exist_ok=True)
-        opts.json.write_text(json.dumps(result, indent=1) + "\n")
-    if opts.page:
-        opts.page.parent.mkdir(parents=True, exist_ok=True)
-        opts.page.write_text(page(result))
+    write_results(opts.json, opts.page, result, page)
 
 
 def page(result: dict) -> str:

@@ -37,7 +37,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from trainer_bench import _last_error, _versions, run_workers
+from trainer_bench import _last_error, _versions, deepspeed_zero3, run_workers, write_results
 
 SEED = 1234
 SYSTEMS = ("zs_zero3", "ddp", "deepspeed_zero3")
@@ -260,10 +260,7 @@ def arguments(system: str, out: Path) -> Any:
 
     extra: dict[str, Any] = {}
     if system == "deepspeed_zero3":
-        extra["deepspeed"] = {
-            "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
-            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto", "steps_per_print": 10**9}
+        extra["deepspeed"] = deepspeed_zero3(stage3_gather_16bit_weights_on_model_save=True)
     return TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=1, learning_rate=1e-4,
         max_grad_norm=1.0, optim="adamw_torch", report_to=[], save_strategy="no", seed=SEED,
@@ -374,12 +371,7 @@ def main() -> None:
 
 
 def write(opts: argparse.Namespace, result: dict) -> None:
-    if opts.json:
-        opts.json.parent.mkdir(parents=True, exist_ok=True)
-        opts.json.write_text(json.dumps(result, indent=1) + "\n")
-    if opts.page:
-        opts.page.parent.mkdir(parents=True, exist_ok=True)
-        opts.page.write_text(page(result))
+    write_results(opts.json, opts.page, result, page)
 
 
 if __name__ == "__main__":

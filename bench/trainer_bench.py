@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -230,6 +231,25 @@ def step_timer() -> Any:
     return StepTimer()
 
 
+def deepspeed_zero3(**zero: Any) -> dict[str, Any]:
+    """Trainer's ``deepspeed=`` ZeRO-3 config; "auto" values are filled from the
+    TrainingArguments, so the run is the same one as the other systems'."""
+    return {"zero_optimization": {"stage": 3, **zero}, "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "steps_per_print": 10**9}
+
+
+def write_results(json_path: Path | None, page_path: Path | None, result: dict[str, Any],
+                  page: Callable[[dict[str, Any]], str]) -> None:
+    """The run as JSON and as a markdown page, where asked for."""
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=1) + "\n")
+    if page_path:
+        page_path.parent.mkdir(parents=True, exist_ok=True)
+        page_path.write_text(page(result))
+
+
 def training_arguments(system: str, out: Path, shape: Shape, steps: int) -> Any:
     """The same TrainingArguments for every system but the one field that picks it."""
     from transformers import TrainingArguments
@@ -238,10 +258,7 @@ def training_arguments(system: str, out: Path, shape: Shape, steps: int) -> Any:
     if system == "deepspeed_zero3":
         # "auto" values are filled from the arguments below, so the run is the same one; the
         # optimizer is Trainer's own (torch AdamW) since the config names none.
-        extra["deepspeed"] = {
-            "zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-            "steps_per_print": 10**9}
+        extra["deepspeed"] = deepspeed_zero3()
     elif system == "fsdp_full_shard":
         # FSDP2 (transformers' default version), one unit per GPT-2 block plus the root.
         extra["fsdp"] = "full_shard"
