@@ -48,7 +48,9 @@ class StepPhase(enum.Enum):
 _P = StepPhase
 _WITH_GRADS = (_P.REDUCED, _P.UNSCALED, _P.CLIPPED)
 _BEFORE_UPDATE = (_P.NOT_REDUCED, *_WITH_GRADS, _P.FAILED)
-_NEED_GRADS = ("clip_norm", "clip_value", "read_norm", "update")
+_CALLS = {"step": "step", "clip_norm": "clip_grad_norm_", "clip_value": "clip_grad_value_",
+          "read_norm": "get_global_grad_norm"}
+"""The engine call behind each move that reads the reduced gradients."""
 
 
 class StepProgress(StateMachine):
@@ -62,8 +64,10 @@ class StepProgress(StateMachine):
         "unscale": {_P.REDUCED: _P.UNSCALED, _P.UNSCALED: _P.UNSCALED, _P.CLIPPED: _P.CLIPPED},
         # From REDUCED without a loss scale (nothing to divide); a second clip's norm wins.
         "clip_norm": {s: _P.CLIPPED for s in _WITH_GRADS},
+        # Checks alone: what these calls read holds from each, and they move nothing.
         "clip_value": {s: s for s in _WITH_GRADS},
         "read_norm": {s: s for s in _WITH_GRADS},
+        "step": {s: s for s in _WITH_GRADS},
         # Once per inner optimizer (each one's last pre-hook).
         "update": {**{s: _P.UPDATING for s in _WITH_GRADS}, _P.UPDATING: _P.UPDATING},
         # From the phases before it too: a rank that owns nothing of an inner optimizer
@@ -90,12 +94,13 @@ class StepProgress(StateMachine):
         if self._state is StepPhase.FAILED:
             return ("A forward, backward or step raised on this rank: engine.zero_grad() "
                     "forgets that pass first")
-        if op == "reduce":
+        if op == "reduce" and self._state in (StepPhase.UNSCALED, StepPhase.CLIPPED):
             return ("The gradients were already unscaled or clipped for a step: call "
                     "engine.step() or engine.zero_grad() before the next backward")
-        if self._state is StepPhase.NOT_REDUCED and op in _NEED_GRADS:
-            return ("It needs reduced gradients: call engine.backward(loss) outside no_sync() "
-                    "first (the last micro-batch of an accumulation window must synchronise)")
+        if self._state is StepPhase.NOT_REDUCED and op in _CALLS:
+            return (f"engine.{_CALLS[op]}() needs reduced gradients: call engine.backward(loss) "
+                    "outside no_sync() first (the last micro-batch of an accumulation window "
+                    "must synchronise)")
         return ""
 
     @property

@@ -123,7 +123,7 @@ def _nonfinite(parts: EngineParts) -> bool:
 def step(parts: EngineParts) -> bool:
     """The optimizer step, or a skip on every rank (see ``ZeroEngine.step``)."""
     parts.check_trainable("step")
-    _expect_reduced(parts, "step", "update")
+    _expect_reduced(parts, "step", "step")
     _agree_before_update(parts)
     _refuse_stray_grads(parts)
     parts.runtime.settle()  # fp32 masters are views of compute copies a gather may write
