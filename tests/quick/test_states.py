@@ -96,28 +96,24 @@ def test_routes_reach_every_state() -> None:
         s: s for s in P}
 
 
-@pytest.mark.parametrize("state", list(T), ids=lambda s: s.value)
-def test_every_illegal_move_of_the_runtime_is_refused_by_name(state: TrainingState) -> None:
-    for op, row in Runtime.MOVES.items():
-        runtime = _at(_runtime(), RUNTIME_ROUTES[state])
+MACHINES = {
+    "runtime": (_runtime, RUNTIME_ROUTES, REFUSED_RUNTIME, "the zero_strategy runtime of rank 0"),
+    "step": (StepProgress, STEP_ROUTES, REFUSED_STEP, "the engine's step"),
+}
+
+
+@pytest.mark.parametrize(("machine", "state"),
+                         [("runtime", s) for s in T] + [("step", s) for s in P],
+                         ids=lambda v: getattr(v, "value", v))
+def test_every_illegal_move_is_refused_by_name(machine: str, state: object) -> None:
+    make, routes, refused, owner = MACHINES[machine]
+    for op, row in make().MOVES.items():
         if state not in row:
-            _assert_refused(runtime, op, "the zero_strategy runtime of rank 0")
-        if state in REFUSED_RUNTIME.get(op, ()):
+            _assert_refused(_at(make(), routes[state]), op, owner)
+        if state in refused.get(op, ()):
             assert state not in row, f"{op} must be refused from {state.value}"
-        elif op in REFUSED_RUNTIME:
+        elif op in refused:
             assert state in row, f"{op} must be allowed from {state.value}"
-
-
-@pytest.mark.parametrize("phase", list(P), ids=lambda s: s.value)
-def test_every_illegal_move_of_the_step_is_refused_by_name(phase: StepPhase) -> None:
-    for op, row in StepProgress.MOVES.items():
-        progress = _at(StepProgress(), STEP_ROUTES[phase])
-        if phase not in row:
-            _assert_refused(progress, op, "the engine's step")
-        if phase in REFUSED_STEP.get(op, ()):
-            assert phase not in row, f"{op} must be refused from {phase.value}"
-        elif op in REFUSED_STEP:
-            assert phase in row, f"{op} must be allowed from {phase.value}"
 
 
 @pytest.mark.parametrize("state", list(T), ids=lambda s: s.value)

@@ -19,6 +19,11 @@ the only code that changes what the module's parameters hold:
 - UNSHARDED: parameters are views of the gathered buffer. Tensors autograd saved during
   forward alias the buffer's storage object, which is lent memory rather than replaced, so
   they see the re-gathered values in backward.
+
+Each store's ``MOVES`` lists, per operation, the states it starts from and the one it leads
+to (a no-op where the store is already there: ``finish_unshard`` with nothing in flight);
+``StateMachine._to`` (``states.py``) is the only code that changes ``ParamState`` and refuses
+any other move by name.
 """
 
 from __future__ import annotations

@@ -209,10 +209,6 @@ class Runtime(StateMachine):
     def idle(self) -> bool:
         return self._state is TrainingState.IDLE
 
-    def live(self) -> bool:
-        """A pass is running now (an engine call made now comes from a hook inside it)."""
-        return self._state in _LIVE
-
     def failed_in(self, where: str) -> None:
         """The engine's ``where`` ("forward" or "backward") raised: the pass is over here."""
         self._to(f"{where}_failed")

@@ -51,9 +51,6 @@ class StateMachine:
     def state(self) -> Any:
         return self._state
 
-    def allows(self, op: str) -> bool:
-        return self._state in self.MOVES[op]
-
     def expect(self, op: str, hint: str = "") -> None:
         """Refuse ``op`` from the current state, before the caller changes anything."""
         if self._state not in self.MOVES[op]:
