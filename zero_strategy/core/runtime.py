@@ -49,6 +49,8 @@ from ..comm.collectives import Communicator, Handle
 from .autograd import queue_end_of_backward, register_pre_backward
 from .devices import from_host
 from .params import ParamState
+from .progress import StepProgress
+from .states import StateMachine, every
 from .units import Unit
 
 # Reductions in flight at once. Each holds a unit's full-size local gradient buffer until it
@@ -81,26 +83,59 @@ class TrainingState(enum.Enum):
     """Gradients are arriving; reductions are launched in the order fixed at its start."""
     POST_BACKWARD = "post-backward"
     """The end-of-backward callback: waiting for reductions, agreeing on used parameters."""
+    FORWARD_FAILED = "forward-failed"
+    """The engine's forward raised: what it gathered waits for ``reset`` (``zero_grad()``)."""
+    BACKWARD_FAILED = "backward-failed"
+    """``engine.backward`` raised: ranks may have launched different reductions, which
+    ``reset`` matches with the peers'."""
 
 
 _S = TrainingState
-_ENTERED_FROM: dict[TrainingState, frozenset[TrainingState]] = {
-    # FORWARD again: a forward that raised, not followed by zero_grad(), or nested in another.
-    _S.FORWARD: frozenset({_S.IDLE, _S.PRE_BACKWARD, _S.FORWARD}),
-    _S.PRE_BACKWARD: frozenset({_S.FORWARD}),
+_LIVE = (_S.FORWARD, _S.BACKWARD, _S.POST_BACKWARD)
+"""A pass running now: an engine call in one of them comes from a hook inside it."""
+_GRADS_READ = ("step", "clip_grad_norm_", "clip_grad_value_", "get_global_grad_norm")
+"""Engine calls that read the reduced gradients: only with no pass in progress."""
+_MOVES: dict[str, dict[TrainingState, TrainingState]] = {
+    # FORWARD again: a forward nested in another, or one after a forward that raised (a
+    # batch-size finder retries before its zero_grad()). BACKWARD stays: a checkpointed
+    # module (or the whole forward) recomputing inside backward.
+    "forward": {_S.IDLE: _S.FORWARD, _S.PRE_BACKWARD: _S.FORWARD, _S.FORWARD: _S.FORWARD,
+                _S.FORWARD_FAILED: _S.FORWARD, _S.BACKWARD: _S.BACKWARD},
+    # From PRE_BACKWARD or IDLE: a nested forward, or a backward run inside the forward (a
+    # gradient penalty), ended first; the outer forward's output still waits for backward.
+    "end_forward": {_S.FORWARD: _S.PRE_BACKWARD, _S.PRE_BACKWARD: _S.PRE_BACKWARD,
+                    _S.IDLE: _S.PRE_BACKWARD, _S.BACKWARD: _S.BACKWARD},
+    "end_forward_no_grad": {_S.FORWARD: _S.IDLE, _S.IDLE: _S.IDLE,
+                            _S.PRE_BACKWARD: _S.PRE_BACKWARD, _S.BACKWARD: _S.BACKWARD},
     # From IDLE: a backward through parameters read outside forward; from FORWARD: autograd
     # run inside the model's own forward (a gradient penalty).
-    _S.BACKWARD: frozenset({_S.IDLE, _S.FORWARD, _S.PRE_BACKWARD}),
-    _S.POST_BACKWARD: frozenset({_S.BACKWARD}),
-    _S.IDLE: frozenset({_S.FORWARD, _S.POST_BACKWARD}),
+    "backward": {_S.IDLE: _S.BACKWARD, _S.FORWARD: _S.BACKWARD, _S.PRE_BACKWARD: _S.BACKWARD},
+    "end_backward": {_S.BACKWARD: _S.POST_BACKWARD},
+    "backward_done": {_S.POST_BACKWARD: _S.IDLE},
+    # An exception may leave a pass anywhere. A forward that raised inside a backward (or
+    # with a backward of its own in progress) leaves that backward's reductions to match.
+    "forward_failed": {**every(TrainingState, _S.FORWARD_FAILED),
+                       _S.BACKWARD: _S.BACKWARD_FAILED, _S.POST_BACKWARD: _S.BACKWARD_FAILED,
+                       _S.BACKWARD_FAILED: _S.BACKWARD_FAILED},
+    "backward_failed": every(TrainingState, _S.BACKWARD_FAILED),
+    # Not from a pass running now: forgetting it under its feet would free what it uses
+    # (its backward then ends in a state no pass has).
+    "reset": {s: _S.IDLE for s in TrainingState if s not in _LIVE},
+    **{call: {_S.IDLE: _S.IDLE} for call in _GRADS_READ},
 }
 
 
-class Runtime:
+class Runtime(StateMachine):
+    MOVES = _MOVES
+
     def __init__(self, units: list[Unit], comm: Communicator, root: torch.nn.Module,
                  prefetch: bool, check_gather_order: bool,
-                 world: Communicator | None = None, blocking_order_check: bool = False) -> None:
+                 world: Communicator | None = None, blocking_order_check: bool = False,
+                 progress: StepProgress | None = None) -> None:
         self.units = units
+        self.progress = StepProgress() if progress is None else progress
+        """The step's phase: a synchronised backward that ended leaves its gradients
+        reduced (``reduce``)."""
         self.comm = comm
         self.world = world or comm
         """Every rank (``comm`` is the shard group under hybrid sharding): they all check the
@@ -115,8 +150,6 @@ class Runtime:
         self._tags: list[tuple[Unit, torch.Tensor, Handle]] = []
         self.root_unit = next((u for u in units if u.module is root), None)
         self.sync = True
-        self.grads_pending_step = False
-        """True once a synchronised backward has finished and its gradients are reduced."""
         self._order: list[Unit] = []
         self._previous_order: list[Unit] = []
         self._backward_trace: list[Unit] = []
@@ -153,19 +186,32 @@ class Runtime:
         """The smallest ``_ready`` over the ranks at the last gather check, which launches may
         not pass (None: no limit)."""
         self._complete: set[int] = set()
-        self.interrupted = False
-        """An exception ended the last backward before its end (set by the engine)."""
-        self.state = TrainingState.IDLE
+        self._state = TrainingState.IDLE
 
-    def _to(self, state: TrainingState) -> None:
-        if self.state not in _ENTERED_FROM[state]:
-            raise RuntimeError(f"zero_strategy runtime: {self.state.value} -> {state.value} is "
-                               "not a transition a training pass makes (an engine call from "
-                               "inside a hook of the engine's own pass?)")
-        self.state = state
+    def _owner(self) -> str:
+        return f"the zero_strategy runtime of rank {self.comm.rank}"
+
+    def _hint(self, op: str) -> str:
+        state = self._state
+        if state in (_S.FORWARD_FAILED, _S.BACKWARD_FAILED):
+            return "A pass raised: engine.zero_grad() forgets it first"
+        if state not in _LIVE:
+            return ""
+        call = {"reset": "zero_grad"}.get(op, op)
+        why = {"step": "it would step with the gradients of some units not reduced yet",
+               "zero_grad": "it would forget gradients and free parameters the pass is still "
+                            "using"}.get(call, "the gradients of some units are not reduced yet"
+                                       if call in _GRADS_READ else "")
+        after = "the forward" if state is _S.FORWARD else "engine.backward(loss)"
+        return (f"engine.{call}() was called during {state.value}, from a hook inside the "
+                f"engine's own pass{': ' + why if why else ''}; call it after {after} returns")
 
     def idle(self) -> bool:
-        return self.state is TrainingState.IDLE
+        return self._state is TrainingState.IDLE
+
+    def failed_in(self, where: str) -> None:
+        """The engine's ``where`` ("forward" or "backward") raised: the pass is over here."""
+        self._to(f"{where}_failed")
 
     # ---------------------------------------------------------------- gathering
     def unshard(self, unit: Unit) -> None:
@@ -257,16 +303,13 @@ class Runtime:
 
     # ---------------------------------------------------------------- forward
     def begin_forward(self) -> None:
-        if self.state is not TrainingState.BACKWARD:  # else recomputation inside backward
-            self._to(TrainingState.FORWARD)
+        self._to("forward")
         if self._order:
             self._previous_order = self._order
         self._order, self._in_order = [], set()
 
     def end_forward(self) -> None:
-        if self.state is TrainingState.FORWARD:
-            self._to(TrainingState.PRE_BACKWARD if torch.is_grad_enabled()
-                     else TrainingState.IDLE)
+        self._to("end_forward" if torch.is_grad_enabled() else "end_forward_no_grad")
 
     def pre_forward(self, unit: Unit) -> None:
         if self.recomputing():
@@ -284,7 +327,7 @@ class Runtime:
 
     def recomputing(self) -> bool:
         """A module's forward inside backward: a checkpointed module recomputing."""
-        return self.state is TrainingState.BACKWARD and torch.is_grad_enabled()
+        return self._state is TrainingState.BACKWARD and torch.is_grad_enabled()
 
     def post_forward(self, unit: Unit, output: Any) -> None:
         if self.recomputing():
@@ -322,7 +365,9 @@ class Runtime:
     # ---------------------------------------------------------------- backward
     def _ensure_callback(self) -> None:
         if not self._callback_queued:
-            self._to(TrainingState.BACKWARD)
+            if self.sync:  # its end will leave the gradients reduced: refuse before any arrives
+                self.progress.expect("reduce")
+            self._to("backward")
             self._callback_queued = True
             queue_end_of_backward(self.end_backward)
             self._begin_backward()
@@ -423,7 +468,7 @@ class Runtime:
     def end_backward(self) -> None:
         """Reduce what unused parameters left pending, wait for every reduction, agree on
         which parameters were used anywhere, free."""
-        self._to(TrainingState.POST_BACKWARD)
+        self._to("end_backward")
         with record_function("zero::end_backward"):
             self._agreed = None  # every rank reaches this point: it launches everything
             self._launch_ready()
@@ -444,15 +489,17 @@ class Runtime:
             self._backward_plan = self._backward_trace if self._recomputed else []
             self._plan_index = {u.index: i for i, u in enumerate(self._backward_plan)}
             self._callback_queued = False
-        self._to(TrainingState.IDLE)
+            if self.sync:  # only now: every unit's reduction has ended
+                self.progress.to("reduce")
+        self._to("backward_done")
 
     def reset(self) -> None:
         """Back to "no pass in progress": wait for collectives already issued, then forget
         counts, order and pins. Run by ``zero_grad()``, so an exception in the middle of a
-        pass leaves nothing behind."""
-        if self.interrupted:
+        pass leaves nothing behind (never from a pass running now: see ``_MOVES``)."""
+        self.expect("reset")
+        if self._state is TrainingState.BACKWARD_FAILED:
             self._match_peers_launches()
-        self.interrupted = False
         for unit in self._launched:
             unit.grad_store.wait()
         self._launched = []
@@ -465,9 +512,8 @@ class Runtime:
         self._cursor = self._ready = 0
         self._agreed = None
         self._callback_queued = False
-        self.grads_pending_step = False
         self.reshard_all()
-        self.state = TrainingState.IDLE  # from any state: the pass is abandoned
+        self._to("reset")  # only now: an error above leaves the pass to reset again
 
     def _match_peers_launches(self) -> None:
         """After a backward cut short by an exception (on every rank), ranks may have
@@ -503,7 +549,6 @@ class Runtime:
         unit.prepare_master_grad()
         self._resting.append(unit)
         self._rest_grads(keep=1 if unit.grad_in_flight else 0)
-        self.grads_pending_step = True
 
     def _rest_grads(self, keep: int) -> None:
         while len(self._resting) > keep:

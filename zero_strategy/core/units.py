@@ -315,7 +315,8 @@ def build_units(
         if materializer is not None:  # only now: one unit's full values exist at a time
             materializer.ensure(params)
         pstore = PARAM_STORES[spec.kind.params](
-            params, layout, shard_rank, policy, placement, comms.world, name=f"u{index}"
+            params, layout, shard_rank, policy, placement, comms.world, name=f"u{index}",
+            module=spec.name,
         )
         gstore = GRAD_STORES[spec.kind.grads](layout, shard_rank, policy.reduce_dtype, device,
                                               pool, policy.int8_reductions, comms.replicas)

@@ -84,7 +84,7 @@ class ZeroEngine(EngineParts):
     def grads_pending(self) -> bool:
         """Whether reduced gradients wait for ``step()`` (a synchronising backward ran since
         the last step or ``zero_grad()``)."""
-        return bool(self.runtime.grads_pending_step)
+        return self.progress.grads_pending
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm of the whole gradient (over all shards); returns that norm."""
@@ -270,7 +270,7 @@ class ZeroEngine(EngineParts):
         """A pass an exception cut short and nobody ``zero_grad()``-ed (a batch-size finder
         caught it, then closes or reloads): its reductions are matched with the peers' and
         this rank's failure report cleared before the collectives that follow."""
-        if self._reported and not self._closed:
+        if self.progress.reported and not self._closed:
             self.zero_grad()
 
     # ------------------------------------------------------------------ checkpoints
@@ -300,7 +300,7 @@ class ZeroEngine(EngineParts):
                                           load_optimizer=load_optimizer,
                                           trust_pickles=trust_pickles)
         if load_optimizer:  # weights and optimizer states are one step's again
-            self._needs_reload = None
+            self.progress.to("reload")
         return client
 
     def load_pretrained(self, path: str | os.PathLike, *, strict: bool = True,

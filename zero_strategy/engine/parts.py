@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from ..core.params import Placement
     from ..core.plan import ZeroPlan
     from ..core.precision import LossScaler
+    from ..core.progress import StepProgress
     from ..core.runtime import Runtime
     from ..core.units import Unit
     from ..offload.disk import DiskTier
@@ -77,17 +78,13 @@ class EngineParts:
     num_params: int
     global_step: int
     skipped_steps: int
-    # Bookkeeping moved only by step.py (unscaled, norm: reset by zero_grad; buffers, signature:
-    # refreshed when parameters are adopted) and state.py (closed).
-    _unscaled: bool
-    _norm: torch.Tensor | None
+    progress: StepProgress
+    """The step's phase (reduced, unscaled, clipped, updating, failed, cut short...): moved
+    by the runtime at the end of a synchronised backward, by step.py, and by
+    ``ZeroEngine.load_checkpoint`` (a reload ends a step cut short)."""
+    # Bookkeeping moved only by step.py (buffers, signature: refreshed when parameters are
+    # adopted) and state.py (closed).
     _closed: bool
-    _needs_reload: str | None
-    """Why the weights and optimizer states are no longer those of one step (an optimizer
-    step cut short): training refuses until a checkpoint loads (set by step.py, cleared by
-    ``ZeroEngine.load_checkpoint``)."""
-    _reported: bool
-    """This rank's error is in the store for its peers' timeouts (cleared by zero_grad)."""
     _buffers: list[torch.Tensor]
     _optimizer_signature: tuple[int, ...]
 
@@ -98,9 +95,10 @@ class EngineParts:
 
     def check_trainable(self, what: str) -> None:
         self.check_open(what)
-        if self._needs_reload is not None:
+        reason = self.progress.reason
+        if reason is not None:
             raise RuntimeError(
-                f"engine.{what}(): {self._needs_reload}; the weights and optimizer states are "
+                f"engine.{what}(): {reason}; the weights and optimizer states are "
                 "no longer those of one step, so the engine will not train on them: reload "
                 "the last checkpoint (engine.load_checkpoint(directory)) first")
 

@@ -28,6 +28,7 @@ from ..core.materialize import InitFn, Materializer, has_meta
 from ..core.params import Placement
 from ..core.plan import make_plan
 from ..core.precision import LossScaler
+from ..core.progress import StepProgress
 from ..core.runtime import Runtime
 from ..core.units import NamedParams, build_units
 from ..memory.free import generation_budget
@@ -78,11 +79,7 @@ def build(parts: EngineParts, model: nn.Module,
     _install(parts, model)
     _take_over_states(parts, existing)
     parts.scaler = LossScaler(parts.config.loss_scale) if parts.plan.policy.scales_loss else None
-    parts._unscaled = False
-    parts._norm = None
     parts._closed = False
-    parts._needs_reload = None
-    parts._reported = False
     parts.global_step = 0
     parts.skipped_steps = 0
     parts._buffers = [b for b in model.buffers() if b is not None]
@@ -145,9 +142,11 @@ def _install(parts: EngineParts, model: nn.Module) -> None:
     """The runtime and everything that reaches into the user's objects: hooks on the model,
     class swaps for reads outside forward, the optimizer's ``state_dict`` through the engine."""
     plan = parts.plan
+    parts.progress = StepProgress()
     parts.runtime = Runtime(parts.units, parts.shards, model, plan.prefetch,
                             plan.check_gather_order, world=parts.comm,
-                            blocking_order_check=plan.blocking_order_check)
+                            blocking_order_check=plan.blocking_order_check,
+                            progress=parts.progress)
     parts.hooks = HookSet()
     parts.hooks.install(parts.units, parts.runtime)
     parts.access = ParamAccess(parts.units, parts.runtime, parts.shards, parts.param_names,
