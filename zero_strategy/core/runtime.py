@@ -39,6 +39,7 @@ different code (mixture-of-experts routing leaves an expert unused on one rank o
 from __future__ import annotations
 
 import enum
+import zlib
 from typing import Any
 
 import torch
@@ -46,7 +47,12 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
 from ..comm.collectives import Communicator, Handle
-from .autograd import queue_end_of_backward, register_pre_backward
+from .autograd import (
+    Inputs,
+    queue_end_of_backward,
+    register_post_backward,
+    register_pre_backward,
+)
 from .devices import from_host
 from .params import ParamState
 from .progress import StepProgress
@@ -148,6 +154,8 @@ class Runtime(StateMachine):
         """Every unit's index on the device, made once: the gather-order tag of a unit is a
         view of it, so tagging a gather copies nothing from the host."""
         self._tags: list[tuple[Unit, torch.Tensor, Handle]] = []
+        self._trainable: tuple[bool, ...] | None = None
+        """Every parameter's ``requires_grad`` as last agreed by the ranks."""
         self.root_unit = next((u for u in units if u.module is root), None)
         self.sync = True
         self._order: list[Unit] = []
@@ -302,7 +310,38 @@ class Runtime(StateMachine):
                 unit.param_store.reshard()
 
     # ---------------------------------------------------------------- forward
+    def follow_trainability(self, agree: bool) -> None:
+        """Which parameters require grad now. ``agree`` (a backward, which every rank runs):
+        checked against every rank whenever it changed (one small collective then, none
+        otherwise), since ``Unit.trains`` decides which units are reduced and ranks that
+        reduced different units would wait for each other forever. A forward does not agree:
+        a forward may run on one rank alone (a sample logged by rank 0 at stages 0-2)."""
+        flags = tuple(p.requires_grad for unit in self.units for p in unit.params)
+        if agree and flags != self._trainable:
+            self._agree_trainability(flags)
+            self._trainable = flags
+        for unit in self.units:
+            trainable = [p.requires_grad for p in unit.params]
+            unit.trains = unit.trains or any(trainable)
+            unit.has_frozen = not all(trainable)
+
+    def _agree_trainability(self, flags: tuple[bool, ...]) -> None:
+        if self.world.world_size == 1:
+            return
+        mine = zlib.crc32(bytes(flags))
+        if len({tuple(t) for t in self.world.all_gather_ints([mine, len(flags)])}) == 1:
+            return
+        names = [slot.name for unit in self.units for slot in unit.layout.slots]
+        every = self.world.all_gather_object(flags)
+        differ = [n for i, n in enumerate(names) if len({f[i] for f in every}) > 1]
+        raise RuntimeError(
+            f"zero_strategy: ranks disagree on which parameters require grad ({differ[:5]}"
+            f"{' ...' if len(differ) > 5 else ''} differ; rank by rank trainable counts "
+            f"{[sum(f) for f in every]}): freeze and unfreeze the same parameters on every "
+            "rank, between the same steps")
+
     def begin_forward(self) -> None:
+        self.follow_trainability(agree=False)
         self._to("forward")
         if self._order:
             self._previous_order = self._order
@@ -311,11 +350,14 @@ class Runtime(StateMachine):
     def end_forward(self) -> None:
         self._to("end_forward" if torch.is_grad_enabled() else "end_forward_no_grad")
 
-    def pre_forward(self, unit: Unit) -> None:
+    def pre_forward(self, unit: Unit, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Inputs | None:
+        """Gather ``unit`` for its module's call; the call's inputs, where they change (see
+        ``_follow_backward``)."""
         if self.recomputing():
             self._recomputed = True
             self.pre_backward(unit)  # the unit's backward follows its recomputation at once
-            return
+            return None
         with record_function("zero::gather"):
             if unit.index not in self._in_order:
                 self._in_order.add(unit.index)
@@ -324,6 +366,27 @@ class Runtime(StateMachine):
             if self.prefetch:
                 self._prefetch_after(unit, self._previous_order)
             unit.param_store.finish_unshard()
+        return self._follow_backward(unit, args, kwargs)
+
+    def _follow_backward(self, unit: Unit, args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> Inputs | None:
+        """A unit with a frozen parameter is still read by its module's backward after its
+        trainable parameters got their gradients (the frozen weight computes the gradient of
+        the module's input, as under a LoRA adapter). Where the inputs require grad, the end
+        of that backward is observable: the unit is freed then, not at the end of the whole
+        backward (which would hold every frozen unit of a partial fine-tune at once)."""
+        if not (unit.has_frozen and torch.is_grad_enabled()):
+            return None
+        inputs = register_post_backward(args, kwargs, lambda: self._post_backward(unit))
+        if inputs is not None:
+            unit.pending_calls += 1
+        return inputs
+
+    def _post_backward(self, unit: Unit) -> None:
+        """One call of ``unit``'s module has finished its backward."""
+        unit.pending_calls = max(unit.pending_calls - 1, 0)
+        if unit.pending_calls == 0 and unit.reduced_this_pass:
+            self.release(unit)
 
     def recomputing(self) -> bool:
         """A module's forward inside backward: a checkpointed module recomputing."""
@@ -346,11 +409,21 @@ class Runtime(StateMachine):
             # Inference: nothing will need the parameters again (but what a
             # gathered_parameters() block holds: generate() inside one gathers once).
             self.reshard_all()
-        elif unit is not self.root_unit and (hooked or not torch.is_grad_enabled()):
-            # Only free what a pre-backward hook can bring back; an output we cannot hook
-            # keeps its unit gathered until the end of backward.
+        elif unit is not self.root_unit and (hooked or not torch.is_grad_enabled()
+                                             or self._out_of_backward(unit, leaves)):
+            # Only free what a pre-backward hook can bring back, or what no backward will
+            # read; an output we cannot hook keeps its unit gathered until the end of
+            # backward.
             with record_function("zero::free"):
                 self.release(unit)
+
+    @staticmethod
+    def _out_of_backward(unit: Unit, leaves: list[torch.Tensor]) -> bool:
+        """Whether no backward can read ``unit``: its outputs are tensors none of which
+        requires grad, and none of its parameters does (a frozen block before every
+        trainable one, as in head or norm tuning)."""
+        return (bool(leaves) and not any(t.requires_grad for t in leaves)
+                and not any(p.requires_grad for p in unit.params))
 
     def _prefetch_after(self, unit: Unit, order: list[Unit]) -> None:
         for i, u in enumerate(order[:-1]):
@@ -377,11 +450,11 @@ class Runtime(StateMachine):
         which reductions are launched: the same on every rank whatever arrives."""
         for unit in self.units:
             unit.expected = sum(1 for p in unit.params if p.requires_grad)
-            if unit.expected < len(unit.params):
+            unit.trains = unit.trains or unit.expected > 0  # a backward with no forward
+            if unit.expected < len(unit.params) and not unit.pending_calls:
                 # A frozen parameter's value is still read after the unit's trainable ones
-                # have their gradients (for the gradient of the module's input, as with a
-                # frozen base weight beside a trainable adapter): the unit stays whole until
-                # the end of backward.
+                # have their gradients, and no input of its module showed when that backward
+                # ends (``_follow_backward``): the unit stays whole until the end of backward.
                 self._pinned.add(unit.index)
         gathers = any(u.param_store.gathers for u in self.units)
         agree = gathers and self.check_gather_order and not self.defer_order_check
@@ -393,6 +466,11 @@ class Runtime(StateMachine):
         self._complete = set()
         self._backward_trace, self._traced, self._recomputed = [], set(), False
         self._plan_reached = -1
+        for unit in self.units:
+            if unit.expected == 0:  # complete already: no gradient can arrive for it
+                unit.reduced_this_pass = True
+                if self.sync:
+                    self._complete.add(unit.index)
 
     def pre_backward(self, unit: Unit) -> None:
         self._ensure_callback()
@@ -448,8 +526,10 @@ class Runtime(StateMachine):
             self._complete.add(unit.index)
             self._launch_ready()
         # Every use of the unit's parameters is behind us once all their gradients arrived
-        # (a unit with frozen parameters is pinned instead: ``_begin_backward``).
-        self.release(unit)
+        # and every call's backward ended (a unit with frozen parameters whose end cannot be
+        # seen is pinned instead: ``_begin_backward``).
+        if unit.pending_calls == 0:
+            self.release(unit)
 
     def _launch_ready(self) -> None:
         order = self._launch_order
@@ -459,6 +539,8 @@ class Runtime(StateMachine):
         while self._cursor < limit:
             unit = order[self._cursor]
             self._cursor += 1
+            if not unit.trains:  # nothing to reduce, on every rank alike
+                continue
             with record_function("zero::reduce"):
                 unit.grad_store.launch_reduce(self.comm)
             self._launched.append(unit)
@@ -476,6 +558,7 @@ class Runtime(StateMachine):
                 if not unit.reduced_this_pass:
                     self._finish_unit(unit)
                 unit.reduced_this_pass = False
+                unit.pending_calls = 0
             for unit in self._launched:
                 self._finish(unit)
             self._launched = []
@@ -508,6 +591,7 @@ class Runtime(StateMachine):
         for unit in self.units:
             unit.ready = 0
             unit.reduced_this_pass = False
+            unit.pending_calls = 0
         self._complete = set()
         self._cursor = self._ready = 0
         self._agreed = None
@@ -530,6 +614,8 @@ class Runtime(StateMachine):
         while self._cursor < furthest:
             unit = self._launch_order[self._cursor]
             self._cursor += 1
+            if not unit.trains:
+                continue
             unit.grad_store.launch_reduce(self.comm)
             self._launched.append(unit)
 

@@ -56,6 +56,16 @@ class Unit:
         self.reduced_this_pass = False
         self.used = [False] * len(params)
         """Per parameter: a gradient arrived on this rank since the last step."""
+        self.trains = False
+        """Some parameter required grad at a forward or backward since the last step (the
+        same on every rank: ``Runtime.follow_trainability``). A unit that does not train is
+        not reduced: a frozen base sends nothing and holds no gradient."""
+        self.has_frozen = False
+        """Some parameter is frozen now: its module's backward may still read it (for the
+        gradient of the module's input), after every trainable one got its gradient."""
+        self.pending_calls = 0
+        """Calls of the module in this pass whose backward has not ended (its inputs required
+        grad: ``autograd.register_post_backward``); the unit is freed in backward only at 0."""
         self.stepped = [True] * len(params)
         """Per parameter: some rank produced a gradient for it since the last step, so the
         optimizer updates it (a parameter no rank used is skipped, as torch and DDP do)."""
@@ -73,6 +83,13 @@ class Unit:
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, {self.name or '<root>'!r}, numel={self.layout.numel})"
+
+    @property
+    def has_grad(self) -> bool:
+        """Whether the last synchronised backward left a gradient to step: a unit no rank
+        produced one for (frozen, or unused) holds none, and reading ``master_grad`` would
+        allocate a shard of zeros for it."""
+        return any(self.stepped)
 
     @property
     def master_grad(self) -> torch.Tensor:
@@ -193,6 +210,7 @@ class Unit:
             self._grad_copy = None
         self.grad_store.zero()
         self.used = [False] * len(self.params)
+        self.trains = False
         self._master_grad = None
         self.grad_summary = None
         self.pending_scales = []

@@ -45,6 +45,8 @@ def backward(parts: EngineParts, loss: torch.Tensor, **kwargs: Any) -> None:
     parts.runtime.expect("backward")
     parts.progress.expect("reduce")  # not after an unscale, a clip or a failure
     parts.hooks.ensure_grad_hooks(parts.units, parts.runtime)  # unfrozen since the forward
+    # Which units reduce, agreed by every rank before any does (no_sync reduces none).
+    parts.runtime.follow_trainability(agree=parts.runtime.sync)
     if parts.scaler is not None:
         loss = loss.float() * parts.scaler.scale
     with record_function("zero::backward"):

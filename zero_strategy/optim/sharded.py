@@ -330,8 +330,9 @@ class ShardedOptimizer:
             tier.prefetch([grad])
             tier.prefetch([t for t in self._step_tensors(unit) if t is not grad], write=True)
 
-        kept = {u.index for u in self.units if tier.resident([u.master_grad])}
-        order = sorted(self.units, key=lambda u: u.index not in kept)
+        graded = [u for u in self.units if u.has_grad]  # the others: nothing to step
+        kept = {u.index for u in graded if tier.resident([u.master_grad])}
+        order = sorted(graded, key=lambda u: u.index not in kept)
         if order:
             read_ahead(order[0])
         for k, unit in enumerate(order):
@@ -362,16 +363,17 @@ class ShardedOptimizer:
         """Every unit's reduced gradient shard, in unit order. With the disk tier each is
         read ahead before it is yielded and written back once the caller moves on, so a loop
         over them holds about two in memory."""
+        graded = [u for u in self.units if u.has_grad]  # the others hold no gradient
         if self.tier is None:
-            for unit in self.units:
+            for unit in graded:
                 yield unit.master_grad
             return
         tier = self.tier
-        for k, unit in enumerate(self.units):
+        for k, unit in enumerate(graded):
             if k == 0:
                 tier.prefetch([unit.master_grad])
-            if k + 1 < len(self.units):
-                tier.prefetch([self.units[k + 1].master_grad])
+            if k + 1 < len(graded):
+                tier.prefetch([graded[k + 1].master_grad])
             tier.ready([unit.master_grad])  # the caller may change it
             grad = unit.settled_grad()
             yield grad
@@ -399,7 +401,7 @@ class ShardedOptimizer:
         if self.tier is None:
             return None
         out = []
-        for unit in self.units:
+        for unit in (u for u in self.units if u.has_grad):
             if unit.pending_scales or (unit.grad_summary is None and unit.layout.shard_numel):
                 return None
             if unit.grad_summary is not None:
