@@ -154,6 +154,8 @@ class Runtime(StateMachine):
         """Every unit's index on the device, made once: the gather-order tag of a unit is a
         view of it, so tagging a gather copies nothing from the host."""
         self._tags: list[tuple[Unit, torch.Tensor, Handle]] = []
+        self._hooked: set[int] = set()
+        """Units whose output the last forward hooked for backward: those backward gathers."""
         self._trainable: tuple[bool, ...] | None = None
         """Every parameter's ``requires_grad`` as last agreed by the ranks."""
         self.root_unit = next((u for u in units if u.module is root), None)
@@ -345,7 +347,7 @@ class Runtime(StateMachine):
         self._to("forward")
         if self._order:
             self._previous_order = self._order
-        self._order, self._in_order = [], set()
+        self._order, self._in_order, self._hooked = [], set(), set()
 
     def end_forward(self) -> None:
         self._to("end_forward" if torch.is_grad_enabled() else "end_forward_no_grad")
@@ -404,6 +406,8 @@ class Runtime(StateMachine):
         hooked = torch.is_grad_enabled() and register_pre_backward(
             leaves, lambda: self.pre_backward(unit)
         )
+        if hooked:
+            self._hooked.add(unit.index)
         if not torch.is_grad_enabled() and unit is self.root_unit:
             self.verify_gather_order()
             # Inference: nothing will need the parameters again (but what a
@@ -491,7 +495,11 @@ class Runtime(StateMachine):
         after it in that region, whose gradients are already reduced."""
         plan = self._backward_plan
         if not plan:
-            self._prefetch_after(unit, self._order[::-1])
+            # Along the units backward can reach (their outputs were hooked): a frozen block
+            # before everything that trains is never needed, and gathered it would stay
+            # whole to the end of backward.
+            self._prefetch_after(unit, [u for u in reversed(self._order)
+                                        if u.index in self._hooked])
             return
         position = self._plan_index.get(unit.index)
         if position is not None and position > self._plan_reached:

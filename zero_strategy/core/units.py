@@ -9,7 +9,7 @@ experts, ``routed.py``) is one unit with everything below it, like a ``unit_leaf
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -83,6 +83,16 @@ class Unit:
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, {self.name or '<root>'!r}, numel={self.layout.numel})"
+
+    def relabel(self, groups: dict[str, int]) -> None:
+        """Parameters of this unit (by name) join optimizer ``groups`` where they lie: only
+        their slots' group changes (a layout keeps its order whatever the groups), so
+        neither the shards nor anything the optimizer holds moves."""
+        slots = tuple(replace(s, group=groups.get(s.name, s.group)) for s in self.layout.slots)
+        layout = replace(self.layout, slots=slots)
+        self.layout = layout
+        self.param_store.layout = layout
+        self.grad_store.layout = layout
 
     @property
     def has_grad(self) -> bool:

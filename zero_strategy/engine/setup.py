@@ -22,6 +22,7 @@ from ..core.access import ParamAccess
 from ..core.activations import Activations
 from ..core.buffers import BufferPool
 from ..core.devices import canonical_device
+from ..core.flat import FROZEN_GROUP
 from ..core.generation import GenerationMode
 from ..core.hooks import GenerationContext, HookSet, ModulePatches
 from ..core.materialize import InitFn, Materializer, has_meta
@@ -60,7 +61,7 @@ def build(parts: EngineParts, model: nn.Module,
     parts.forward_context = parts.plan.policy.forward_context(parts.device)
     user = as_one_optimizer(optimizer)
     existing = _existing_states(user)
-    managed, group_of = managed_parameters(model, user)
+    managed, group_of = managed_parameters(model, user, frozen_too=parts.plan.shards_params)
     for part in optimizer_parts(user):  # refusals before anything is built
         placement(part, parts.config.elementwise_optimizer)
     parts.param_names = {id(p): n for n, p in managed}
@@ -265,10 +266,14 @@ def _use_cuda_device(device: torch.device) -> None:
 
 
 def managed_parameters(
-    model: nn.Module, optimizer: torch.optim.Optimizer, *, strict: bool = True
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, strict: bool = True,
+    frozen_too: bool = False,
 ) -> tuple[NamedParams, dict[int, int]]:
     """The parameters the optimizer holds (deduplicated, registration order; frozen ones too,
     so unfreezing them later needs nothing but their gradient) and their optimizer group.
+    ``frozen_too`` (stage 3): frozen parameters outside the optimizer as well, in no group
+    (``FROZEN_GROUP``), so that a frozen base is sharded like the rest and no rank holds it
+    whole; those of a dtype the engine would change (fp64, complex) stay whole and exact.
     ``strict``: a trainable parameter outside the optimizer is an error (it would never be
     updated, and the user most likely forgot it)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -293,8 +298,12 @@ def managed_parameters(
                     "is not a parameter of the model: build the optimizer on model.parameters()"
                 )
             group_of[id(p)] = gi
-    managed = [(n, p) for n, p in model.named_parameters() if id(p) in group_of]
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
+    if frozen_too:
+        for _, p in model.named_parameters():
+            if id(p) not in group_of and not p.requires_grad and p.dtype in _TRAINABLE_DTYPES:
+                group_of[id(p)] = FROZEN_GROUP
+    managed = [(n, p) for n, p in model.named_parameters() if id(p) in group_of]
     if missing and strict:
         raise ValueError(
             f"trainable parameters missing from the optimizer: {missing[:5]}"

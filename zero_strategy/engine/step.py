@@ -10,8 +10,9 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
+from ..core.flat import FROZEN_GROUP
 from ..core.progress import StepPhase
-from ..core.units import build_units
+from ..core.units import NamedParams, Unit, build_units
 from ..optim.combined import parts as optimizer_parts
 from .parts import EngineParts
 from .setup import managed_parameters, signature
@@ -329,22 +330,47 @@ def _follow_trainability(parts: EngineParts) -> None:
 
 
 def _adopt_new_parameters(parts: EngineParts) -> None:
-    managed, group_of = managed_parameters(parts.module, parts.user_optimizer, strict=False)
+    managed, group_of = managed_parameters(parts.module, parts.user_optimizer, strict=False,
+                                           frozen_too=parts.plan.shards_params)
     new = [(n, p) for n, p in managed if id(p) not in parts.param_names]
-    parts.optimizer.check_adoptable({n: group_of[id(p)] for n, p in new})
-    if not new:
+    moved = _moved_from_frozen(parts, group_of)
+    joining = new + [(n, p) for _, named in moved for n, p in named]
+    parts.optimizer.check_adoptable({n: group_of[id(p)] for n, p in joining})
+    if not joining:
         return
     if parts.progress.grads_pending or any(u.used.count(True) for u in parts.units):
         raise RuntimeError(
-            f"parameters {[n for n, _ in new][:5]} were added to the optimizer in the "
+            f"parameters {[n for n, _ in joining][:5]} were added to the optimizer in the "
             "middle of a step (gradients are pending): add param groups between "
             "engine.step() and the next forward")
-    stale = [n for n, p in new if p.grad is not None]
+    stale = [n for n, p in joining if p.grad is not None]
     if stale:
         raise RuntimeError(f"parameters {stale[:5]} added to the optimizer already hold a "
                            ".grad from before; set it to None first (optimizer.zero_grad())")
     parts.runtime.settle()
     parts.runtime.reshard_all()
+    for unit, named in moved:  # sharded already: they join the optimizer where they are
+        unit.relabel({n: group_of[id(p)] for n, p in named})
+        parts.optimizer.add_units([unit], only={n for n, _ in named})
+    if new:
+        _take_over(parts, new, group_of)
+
+
+def _moved_from_frozen(parts: EngineParts, group_of: dict[int, int]
+                       ) -> list[tuple[Unit, NamedParams]]:
+    """Frozen parameters the engine shards in no group (stage 3) that the user has since
+    added to a param group, by unit."""
+    out = []
+    for unit in parts.units:
+        named = [(slot.name, p) for slot, p in zip(unit.layout.slots, unit.params)
+                 if slot.group == FROZEN_GROUP and group_of.get(id(p), FROZEN_GROUP)
+                 != FROZEN_GROUP]
+        if named:
+            out.append((unit, named))
+    return out
+
+
+def _take_over(parts: EngineParts, new: NamedParams, group_of: dict[int, int]) -> None:
     units = build_units(parts.module, new, group_of, parts.plan, parts.unit_comms(),
                         parts.placement, first_index=len(parts.units))
     parts.units.extend(units)

@@ -287,10 +287,12 @@ class ShardedOptimizer:
                 "build it with every parameter it will train (frozen ones included; empty "
                 "param groups may be added)")
 
-    def add_units(self, units: list[Unit]) -> None:
+    def add_units(self, units: list[Unit], only: set[str] | None = None) -> None:
         """Parameters the engine took over after construction (unfrozen and added to the
-        last of the user's optimizers): their pieces join its inner groups."""
-        new = _segments(units, self.rank)  # self.units is the engine's list: already extended
+        last of the user's optimizers): their pieces join its inner groups. ``only``: just
+        these parameters of ``units`` (sharded frozen before, in no group)."""
+        new = [s for s in _segments(units, self.rank)  # self.units: the engine's, extended
+               if only is None or s.unit.layout.slots[s.index].name in only]
         self.segments += new
         last = self.parts[-1]
         assert isinstance(last, ShardPart), "check_adoptable() runs first"
