@@ -240,6 +240,11 @@ Release = Callable[[torch.Tensor], None]
 # Tags of the direct exchanges: each kind of collective matches its sends and receives on its
 # own tag, in the order every rank issues them.
 _GATHER_TAG, _REDUCE_TAG = 11, 12
+_CHANNEL_TAG = 1 << 20
+"""Tags from here on: one per gather channel (a stage-3 unit), so that ranks gathering
+different units at the same point never match one unit's row with another's (gloo aborts
+the process when a message is longer than the buffer posted for it); the runtime's ordered
+header exchange then tells them apart and raises, before anything waits for the rows."""
 
 
 class Communicator:
@@ -387,6 +392,10 @@ class Communicator:
         assert mine is not None, (self.rank, parts)  # a partition covers every rank
         return mine
 
+    def global_ranks(self) -> list[int]:
+        """This group's members, as ranks of the default group (the store's agreements)."""
+        return list(self._peers)
+
     def use_scratch(self, take: Scratch, give: Release) -> None:
         """Where receive buffers of the direct exchanges come from and go back to (the
         engine's buffer pool); without, they are allocated per call."""
@@ -520,37 +529,40 @@ class Communicator:
         return self._finish(work, "reduce_scatter", async_op)
 
     def all_gather(
-        self, flat_output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False
+        self, flat_output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False,
+        channel: int | None = None,
     ) -> Handle:
-        """Concatenate every rank's ``shard`` into ``flat_output`` (rank order)."""
+        """Concatenate every rank's ``shard`` into ``flat_output`` (rank order). ``channel``
+        (a stage-3 unit's index): where the exchange is direct, its messages match only
+        messages of the same channel (``_CHANNEL_TAG``)."""
         self._check("all_gather", flat_output, shard)
         self._count("all_gather", flat_output.nbytes * self._fraction())
         if self._direct:
-            return self._all_gather_direct(flat_output, shard, async_op)
+            return self._all_gather_direct(flat_output, shard, async_op, channel)
         work = _all_gather(flat_output, shard, group=self.group, async_op=True)
         return self._finish(work, "all_gather", async_op)
 
     def _all_gather_direct(self, flat_output: torch.Tensor, shard: torch.Tensor,
-                           async_op: bool) -> Handle:
+                           async_op: bool, channel: int | None) -> Handle:
         rows = flat_output.view(self.world_size, -1)
         if rows[self.rank].data_ptr() != shard.data_ptr():
             rows[self.rank].copy_(shard)
-        return self._finish_exchange(_Exchange(self, self._gather_rows(rows), "all_gather"),
-                                     async_op)
+        works = self._gather_rows(rows, channel)
+        return self._finish_exchange(_Exchange(self, works, "all_gather"), async_op)
 
-    def _gather_rows(self, rows: torch.Tensor) -> list[Any]:
+    def _gather_rows(self, rows: torch.Tensor, channel: int | None = None) -> list[Any]:
         """Start filling every row of ``rows`` (one per rank) with that rank's own row, which
         is already in place here; uncounted (the callers count what they send)."""
         if not self._direct:
             return [_all_gather(rows.view(-1), rows[self.rank], group=self.group,
                                 async_op=True)]
+        tag = _GATHER_TAG if channel is None else _CHANNEL_TAG + channel
         works = []
         for r in range(self.world_size):
             if r != self.rank:
                 works.append(dist.isend(rows[self.rank], self._peers[r], group=self.group,
-                                        tag=_GATHER_TAG))
-                works.append(dist.irecv(rows[r], self._peers[r], group=self.group,
-                                        tag=_GATHER_TAG))
+                                        tag=tag))
+                works.append(dist.irecv(rows[r], self._peers[r], group=self.group, tag=tag))
         return works
 
     def _reduce_scatter_direct(self, output: torch.Tensor, flat_input: torch.Tensor,
@@ -596,7 +608,7 @@ class Communicator:
 
     # ---------------------------------------------------------------- int8 on the wire
     def all_gather_int8(self, flat_output: torch.Tensor, shard: torch.Tensor, *,
-                        async_op: bool = False) -> Handle:
+                        async_op: bool = False, channel: int | None = None) -> Handle:
         """``all_gather`` sending block-wise int8 (``int8.py``); every piece of the output,
         this rank's too, holds the decoded values, so all ranks compute with the same ones."""
         self._check("all_gather", flat_output, shard)
@@ -608,7 +620,8 @@ class Communicator:
         int8.encode(shard, payload[self.rank], scales[self.rank], scratch)
         give(scratch)
         self._count("all_gather", (n - 1) * (payload[0].nbytes + scales[0].nbytes))
-        works = self._gather_rows(payload) + self._gather_rows(scales) if n > 1 else []
+        works = (self._gather_rows(payload, channel) + self._gather_rows(scales, channel)
+                 if n > 1 else [])
 
         def finish() -> None:
             for row, out in zip(range(n), flat_output.view(n, -1)):

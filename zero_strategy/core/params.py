@@ -215,8 +215,9 @@ class ParamStore(StateMachine, ABC):
         return self._state
 
     @abstractmethod
-    def start_unshard(self, comm: Communicator) -> None:
-        """Begin making the compute copy whole (asynchronously where it needs communication)."""
+    def start_unshard(self, comm: Communicator, channel: int | None = None) -> None:
+        """Begin making the compute copy whole (asynchronously where it needs communication);
+        ``channel``: the gather's own (``Communicator.all_gather``)."""
 
     @abstractmethod
     def finish_unshard(self) -> None:
@@ -341,7 +342,7 @@ class ReplicatedParams(ParamStore):
         self._handle: Handle | None = None
         placement.done_with([self.master], dirty=True)
 
-    def start_unshard(self, comm: Communicator) -> None:
+    def start_unshard(self, comm: Communicator, channel: int | None = None) -> None:
         self._to("start_unshard")
 
     def finish_unshard(self) -> None:
@@ -458,12 +459,12 @@ class ShardedParams(ParamStore):
         self._reading_host = pending
         return staged
 
-    def start_unshard(self, comm: Communicator) -> None:
+    def start_unshard(self, comm: Communicator, channel: int | None = None) -> None:
         self.expect("start_unshard")
         self.pool.lend(self.full.untyped_storage(), self._full_nbytes)
         self._source = self._device_shard()
         gather = comm.all_gather_int8 if self.policy.int8_gathers else comm.all_gather
-        self._handle = gather(self.full, self._source, async_op=True)
+        self._handle = gather(self.full, self._source, async_op=True, channel=channel)
         self._to("start_unshard")
 
     def finish_unshard(self) -> None:

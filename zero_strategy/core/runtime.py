@@ -13,10 +13,11 @@ different code (mixture-of-experts routing leaves an expert unused on one rank o
   rank is launched at the end of backward, still in that order;
 - where backward also gathers (stage 3) and the gather order is checked on the host, each
   check also exchanges how many units each rank has complete, and reductions are launched
-  only up to the smallest count, at those checks: every rank then launches the same
-  reductions at the same point of the gather sequence, so a rank waiting for a reduction
-  (the in-flight window) never waits for a peer that waits for a gather this rank has not
-  issued. Without it, which comes first on a rank when ranks run different modules (experts),
+  only up to the smallest count, at those checks (when a gather's headers are read, or at a
+  blocking check): every rank then launches the same reductions at the same point of the
+  gather sequence, so a rank waiting for a reduction (the in-flight window) never waits for
+  a peer that waits for a gather this rank has not issued. Without it, which comes first on
+  a rank when ranks run different modules (experts),
   a unit's completion or the next unit's gather, depends on its data, and two ranks could
   hang each other (found by tests/support/space.py);
 - a module's forward inside backward is a checkpointed module recomputing: its units are
@@ -25,21 +26,29 @@ different code (mixture-of-experts routing leaves an expert unused on one rank o
   without checkpointing; and since backward then needs units block by block, each block's in
   forward order, it prefetches along the order the previous backward needed them;
 - stage-3 gathers follow the modules that run, so with ``check_gather_order`` each gather is
-  preceded by a tiny all-gather of the unit's index, and ranks that disagree raise an error
-  naming both units instead of exchanging the wrong shards or hanging. When the group
-  communicates host tensors (gloo on CPU) the check blocks before the gather, so units of
-  different sizes never meet in one collective. On a GPU, reading the indices would stall the
-  host once per unit: there the exchange is issued with the gather (its tag a view of one
-  index tensor made once, so nothing is copied from the host) and read once, at the end of
-  backward (or after ``DEFERRED_TAGS`` gathers), still before the step can use anything
-  gathered; units of different sizes then meet in one collective, which nccl ends with its
-  own timeout. ``check_gather_order="blocking"`` asks for the host check on a GPU too.
+  accompanied by a tiny all-gather of the unit's index, and ranks that disagree raise an
+  error naming both units instead of exchanging the wrong shards or hanging. When the group
+  communicates host tensors (gloo on CPU) the index travels as a header sent beside the
+  gather without waiting (a blocking round trip per unit would put the link's latency, and
+  every byte queued ahead on it, between the gathers: across nodes the step would cost the
+  link plus the compute); each unit's rows travel on a channel of their own, so a rank
+  gathering another unit at the same point never receives them (units of different sizes
+  never meet: gloo aborts on a longer message), and the headers are read in gather order
+  before a unit's rows are waited for. After a pass cut short, ``reset`` has every rank
+  issue the gathers and headers its peers issued and it did not, so nothing stays unmatched.
+  On a GPU, reading the indices would stall the host once per unit: there the exchange is
+  issued with the gather (its tag a view of one index tensor made once, so nothing is
+  copied from the host) and read once, at the end of backward (or after ``DEFERRED_TAGS``
+  gathers), still before the step can use anything gathered; units of different sizes then
+  meet in one collective, which nccl ends with its own timeout.
+  ``check_gather_order="blocking"`` asks for a check that blocks before each gather.
 """
 
 from __future__ import annotations
 
 import enum
 import zlib
+from collections import deque
 from typing import Any
 
 import torch
@@ -150,6 +159,12 @@ class Runtime(StateMachine):
         self.prefetch = prefetch
         self.check_gather_order = check_gather_order and comm.world_size > 1
         self.defer_order_check = comm.device.type != "cpu" and not blocking_order_check
+        self.header_order_check = comm.device.type == "cpu" and not blocking_order_check
+        """Host tensors (gloo): each gather sends a header (the unit, and in backward how many
+        units this rank has complete) to every rank beside its rows, without waiting; the
+        headers are read, in gather order, before a unit's rows are waited for."""
+        self._headers: deque[tuple[Unit, torch.Tensor, Handle]] = deque()
+        self._headers_sent = 0
         self._indices: torch.Tensor | None = None
         """Every unit's index on the device, made once: the gather-order tag of a unit is a
         view of it, so tagging a gather copies nothing from the host."""
@@ -227,11 +242,49 @@ class Runtime(StateMachine):
     def unshard(self, unit: Unit) -> None:
         store = unit.param_store
         if store.gathers and store.state is ParamState.SHARDED:
+            headers = (self.check_gather_order and self.header_order_check
+                       and not self.defer_order_check)
             if self.check_gather_order and self.defer_order_check:
                 self._tag_gather(unit)
+            elif headers:
+                self._send_header(unit)
             elif self.check_gather_order:
                 self._check_and_agree(unit)
-            store.start_unshard(self.comm)
+            # With headers, each unit its own channel: a rank gathering another unit at this
+            # point never receives its rows, and the header says so before they are waited for.
+            store.start_unshard(self.comm, channel=unit.index if headers else None)
+
+    def finish(self, unit: Unit) -> None:
+        """Wait until ``unit`` is whole, the order of every gather up to it checked first."""
+        self._read_headers(upto=unit)
+        unit.param_store.finish_unshard()
+
+    def _send_header(self, unit: Unit) -> None:
+        self._headers.append((unit, *self._send_header_of(unit.index)))
+
+    def _send_header_of(self, index: int) -> tuple[torch.Tensor, Handle]:
+        self._headers_sent += 1
+        mine = torch.tensor([index, self._ready], dtype=torch.int64)
+        out = torch.empty(2 * self.world.world_size, dtype=torch.int64)
+        return out, self.world.all_gather(out, mine, async_op=True)
+
+    def _read_headers(self, upto: Unit | None = None) -> None:
+        """Check the headers of the gathers issued so far, in order, up to ``upto``'s (all
+        by default). Each gather's headers agree how far reductions may be launched: the
+        least count of complete units any rank had when it issued that gather, so every rank
+        launches the same reductions at the same gather of the sequence."""
+        if upto is not None and all(u is not upto for u, _, _ in self._headers):
+            return
+        while self._headers:
+            unit, out, handle = self._headers.popleft()
+            handle.wait(host=True)  # read next
+            rows = out.view(self.world.world_size, 2).tolist()
+            self._check_tags(unit, [r[0] for r in rows])
+            if self._agreed is not None:
+                self._agreed = min(r[1] for r in rows)
+                self._launch_ready()
+            if unit is upto:
+                return
 
     def _check_and_agree(self, unit: Unit) -> None:
         """The host-side gather-order check; in backward it also agrees how far reductions
@@ -253,7 +306,9 @@ class Runtime(StateMachine):
             self.verify_gather_order()
 
     def verify_gather_order(self) -> None:
-        """Read the deferred gather-order tags (one host sync for all of them)."""
+        """Read the deferred gather-order tags (one host sync for all of them), or every
+        header not read yet."""
+        self._read_headers()
         if not self._tags:
             return
         pending, self._tags = self._tags, []
@@ -281,7 +336,7 @@ class Runtime(StateMachine):
         keep it whole until the end of backward (or of the step, without backward)."""
         with record_function("zero::gather_external"):
             self.unshard(unit)
-            unit.param_store.finish_unshard()
+            self.finish(unit)
         self._pinned.add(unit.index)
 
     def release(self, unit: Unit) -> None:
@@ -301,7 +356,7 @@ class Runtime(StateMachine):
         """Wait for every gather in flight (the post-step all-gathers of stages 1-2 among
         them): run before anything reads or writes whole compute copies outside forward."""
         for unit in self.units:
-            unit.param_store.finish_unshard()
+            self.finish(unit)
         self.verify_gather_order()
 
     def reshard_all(self) -> None:
@@ -367,7 +422,7 @@ class Runtime(StateMachine):
             self.unshard(unit)
             if self.prefetch:
                 self._prefetch_after(unit, self._previous_order)
-            unit.param_store.finish_unshard()
+            self.finish(unit)
         return self._follow_backward(unit, args, kwargs)
 
     def _follow_backward(self, unit: Unit, args: tuple[Any, ...],
@@ -485,7 +540,7 @@ class Runtime(StateMachine):
             self.unshard(unit)
             if self.prefetch:
                 self._prefetch_in_backward(unit)
-            unit.param_store.finish_unshard()
+            self.finish(unit)
 
     def _prefetch_in_backward(self, unit: Unit) -> None:
         """Gather the next unit backward will need: along the reverse of the forward, or
@@ -589,6 +644,12 @@ class Runtime(StateMachine):
         counts, order and pins. Run by ``zero_grad()``, so an exception in the middle of a
         pass leaves nothing behind (never from a pass running now: see ``_MOVES``)."""
         self.expect("reset")
+        if self._state in (TrainingState.FORWARD_FAILED, TrainingState.BACKWARD_FAILED):
+            self._match_peers_gathers()
+            # The failed pass's order (possibly another on each rank) must not steer the
+            # next pass's prefetches: ranks would gather in different orders.
+            self._order, self._previous_order, self._backward_plan = [], [], []
+            self._plan_index = {}
         if self._state is TrainingState.BACKWARD_FAILED:
             self._match_peers_launches()
         for unit in self._launched:
@@ -606,6 +667,45 @@ class Runtime(StateMachine):
         self._callback_queued = False
         self.reshard_all()
         self._to("reset")  # only now: an error above leaves the pass to reset again
+
+    def _match_peers_gathers(self) -> None:
+        """After a pass cut short (a ``GatherOrderError`` among the causes), ranks may hold
+        gathers and headers no peer matched: another unit gathered at the same point, or
+        more of them. Through the store (a collective would queue behind them) every rank
+        learns which units each has in flight and how many headers each sent, then sends
+        what it lacks (zeros, into scratch memory), so every exchange issued anywhere
+        completes and none is left to match a later one; what arrives is discarded with the
+        pass."""
+        if (self.world.world_size == 1 or not self.header_order_check
+                or self.defer_order_check):
+            return
+        flying = [u for u in self.units if u.param_store.state is ParamState.GATHERING]
+        masks = dict(zip(self.world.global_ranks(),
+                         self.world.agree(sum(1 << u.index for u in flying))))
+        counts = self.world.agree(self._headers_sent)
+        group = [masks[r] for r in self.comm.global_ranks()]  # those this rank gathers with
+        extra: list[Handle] = []
+        for unit in self.units:
+            if any(m >> unit.index & 1 for m in group) and unit not in flying:
+                extra.append(self._gather_zeros(unit))
+        for _ in range(max(counts) - self._headers_sent):
+            self._send_header_of(-1)
+        for handle in extra:
+            handle.wait()
+        for _, _, handle in self._headers:
+            handle.wait()
+        self._headers.clear()
+        for unit in flying:
+            unit.param_store.finish_unshard()
+
+    def _gather_zeros(self, unit: Unit) -> Handle:
+        store = unit.param_store
+        rows = torch.empty(store.layout.padded_numel, dtype=store.full.dtype,
+                           device=self.comm.device)
+        mine = torch.zeros(store.layout.shard_numel, dtype=store.full.dtype,
+                           device=self.comm.device)
+        gather = self.comm.all_gather_int8 if store.policy.int8_gathers else self.comm.all_gather
+        return gather(rows, mine, async_op=True, channel=unit.index)
 
     def _match_peers_launches(self) -> None:
         """After a backward cut short by an exception (on every rank), ranks may have
