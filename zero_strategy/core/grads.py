@@ -72,6 +72,9 @@ class GradStore(ABC):
         """Hybrid sharding: the ranks holding the same shard; each reduced shard is summed
         across them, so a gradient is divided by every rank of the world, not of the group."""
         self._pending: tuple[Handle, torch.Tensor | None] | None = None
+        self._crossed = False
+        """Hybrid sharding: the pending reduction is the one across replicas (the group's
+        is in)."""
         self._shard_memory: ShardMemory | None = None
 
     def use_shard_memory(self, memory: ShardMemory | None) -> None:
@@ -113,17 +116,38 @@ class GradStore(ABC):
         reduce = comm.reduce_scatter_int8 if self.int8 else comm.reduce_scatter
         return reduce(out, local, async_op=True)
 
-    def _across_replicas(self, reduced: torch.Tensor) -> None:
-        """Hybrid sharding: add the other replicas' reductions of this shard (the only
-        traffic between shard groups)."""
-        if self.replicas is not None:
-            self.replicas.all_reduce(reduced)
+    def advance(self) -> bool:
+        """Hybrid sharding: once the group's reduction is in, start adding the other
+        replicas' (the only traffic between shard groups) without waiting, so it crosses
+        while backward goes on; polled by the runtime in launch order. Whether the crossing
+        has started (or there is none to start)."""
+        if self.replicas is None or self._pending is None or self._pending[1] is None:
+            return True
+        if not self._crossed:
+            if not self._pending[0].ready():
+                return False
+            self._cross()
+        return True
 
-    def wait(self) -> torch.Tensor | None:
+    def _cross(self) -> None:
+        assert self.replicas is not None and self._pending is not None
+        handle, out = self._pending
+        assert out is not None
+        handle.wait()
+        reduce = self.replicas.all_reduce_int8 if self.int8 else self.replicas.all_reduce
+        self._pending = (reduce(out, async_op=True), out)
+        self._crossed = True
+
+    def wait(self, cross: bool = True) -> torch.Tensor | None:
+        """The reduced tensor, once in; ``cross``: summed across replicas too (hybrid
+        sharding; not for a reduction of a pass being abandoned)."""
         handle, out = self._pending if self._pending else (None, None)
+        if cross and out is not None and self.replicas is not None and not self._crossed:
+            self._cross()
+            handle, out = self._pending if self._pending else (None, None)
         if handle is not None:
             handle.wait()
-        self._pending = None
+        self._pending, self._crossed = None, False
         return out
 
 
@@ -186,9 +210,8 @@ class ScatteredFullGrads(GradStore):
         self._pending = (self._reduce_scatter(comm, out, self.buffer), out)
 
     def finish_reduce(self) -> None:
-        reduced = self.wait()
+        reduced = self.wait()  # across replicas too
         assert reduced is not None
-        self._across_replicas(reduced)
         lo, hi = self._bounds
         self.buffer[:lo].zero_()  # the owned part is overwritten: no pass over it
         self.buffer[hi:].zero_()
@@ -278,9 +301,9 @@ class ShardedGrads(GradStore):
         self._pending = (self._reduce_scatter(comm, out, local), out)
 
     def finish_reduce(self) -> None:
+        # Across replicas too: only this reduction (earlier ones were summed already).
         reduced = self.wait()
         assert reduced is not None and self.local is not None
-        self._across_replicas(reduced)  # only this reduction: earlier ones were summed already
         if reduced is not self._shard:
             if self._shard_memory is not None:  # the last pass's may still be written back
                 self._shard_memory.ready([self.grad_shard])
@@ -290,7 +313,7 @@ class ShardedGrads(GradStore):
         self._drop_local()
 
     def zero(self) -> None:
-        in_flight = self.wait()  # a pass cut short may have left a reduction running
+        in_flight = self.wait(cross=False)  # a pass cut short may have left one running
         if in_flight is not None and in_flight is not self._shard:
             self.pool.give(in_flight)
         if self._shard is not None and self._shard_memory is not None:

@@ -533,6 +533,7 @@ class Runtime(StateMachine):
 
     def pre_backward(self, unit: Unit) -> None:
         self._ensure_callback()
+        self._advance_crossings()
         if unit.index not in self._traced:
             self._traced.add(unit.index)
             self._backward_trace.append(unit)
@@ -594,7 +595,15 @@ class Runtime(StateMachine):
         if unit.pending_calls == 0:
             self.release(unit)
 
+    def _advance_crossings(self) -> None:
+        """Hybrid sharding: start the reductions across replicas of the launched units whose
+        group reduction is in, in launch order (the same order on every rank)."""
+        for unit in self._launched:
+            if not unit.grad_store.advance():
+                return
+
     def _launch_ready(self) -> None:
+        self._advance_crossings()
         order = self._launch_order
         while self._ready < len(order) and order[self._ready].index in self._complete:
             self._ready += 1
