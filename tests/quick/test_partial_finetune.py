@@ -72,3 +72,25 @@ def test_units_are_freed_as_forward_and_backward_go(world2: dict, pattern: str) 
 def test_checkpoints_load_across_stages_with_frozen_parameters(world2: dict) -> None:
     for r in check(world2["frozen_checkpoint_across_stages"]):
         assert r == {"3->2": 0.0, "2->3": 0.0}, r
+
+
+def test_ranks_that_freeze_differently_are_refused_by_name(world2: dict) -> None:
+    """requires_grad decides which units are reduced, so ranks must agree on it: a rank that
+    unfroze another block is refused at the first backward, naming the parameters, on every
+    rank. The agreement is not a collective: the step where the first block is unfrozen sends
+    what the step before sent plus exactly that block's reduce-scatter and the backward
+    gathers of blocks 0-2, which backward now crosses (ring, fp32)."""
+    for r in check(world2["trainability_disagreement"]):
+        assert "ranks disagree on which parameters require grad" in r["refusal"], r["refusal"]
+        assert "transformer.h.0." in r["refusal"], r["refusal"]
+        first, second, third = r["sent"]
+        assert first == second, (first, second)
+        grown = {k: third[k] - second[k] for k in third}
+        ring = r["ring_bytes"]
+        assert grown["reduce_scatter"] == ring["transformer.h.0"], grown
+        # Each stage-3 gather on gloo also sends its order header: 2 int64 per rank, of
+        # which a rank sends (N-1)/N of the gathered 2 * 8 * N bytes.
+        header = 2 * 8 * (r["world"] - 1)
+        blocks = sum(ring[f"transformer.h.{i}"] + header for i in range(3))
+        assert grown["all_gather"] == blocks, grown
+        assert grown["all_reduce"] == grown["broadcast"] == 0, grown

@@ -188,3 +188,43 @@ def _checkpoint_scenario() -> dict[str, Any]:
 
 
 register("frozen_checkpoint_across_stages", _checkpoint_scenario)
+
+
+def trainability_disagreement() -> dict[str, Any]:
+    """Rank 1 unfreezes one more block than rank 0: the first backward refuses, naming the
+    parameters that differ, on every rank (reducing different units would hang instead).
+    Before that, on a model every rank freezes alike, unfreezing a block between steps
+    adds to a step's collective bytes only that block's reduction and the gathers of the
+    blocks backward now crosses: the agreement itself travels through the store."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = _batches(rank, world)[0]
+    model = _model("last_block")
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=LR), _config(3))
+    sent = []
+    for step in range(3):
+        if step == 2:
+            for p in model.transformer.h[0].parameters():
+                p.requires_grad_(True)
+        before = dict(engine.comm_bytes())
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+        engine.zero_grad()
+        sent.append({k: v - before.get(k, 0) for k, v in engine.comm_bytes().items()})
+    ring = {u.name: u.layout.padded_numel * 4 * (world - 1) // world for u in engine.units}
+    engine.close()
+    model = _model("last_block")
+    if rank == 1:
+        for p in model.transformer.h[0].parameters():
+            p.requires_grad_(True)
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=LR), _config(3))
+    try:
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        refusal = ""
+    except RuntimeError as e:
+        refusal = str(e)
+    engine.close()
+    return {"sent": sent, "refusal": refusal, "world": world,
+            "ring_bytes": ring}
+
+
+register("trainability_disagreement", trainability_disagreement)
