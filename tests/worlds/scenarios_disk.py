@@ -125,7 +125,7 @@ def _reads_without_keeping(engine: zs.ZeroEngine, stepped: bool) -> int:
     forward = sum(tier.file_bytes([u.param_store.shard]) for u in gathered)
     backward = sum(tier.file_bytes([u.param_store.shard]) for u in gathered
                    if u is not engine.runtime.root_unit)
-    step = sum(tier.file_bytes(engine.optimizer._step_tensors(u)) for u in engine.units)
+    step = sum(tier.file_bytes(engine.optimizer.where.step_tensors(u)) for u in engine.units)
     return forward + backward + (step if stepped else 0)
 
 
