@@ -129,14 +129,17 @@ def _reads_without_keeping(engine: zs.ZeroEngine, stepped: bool) -> int:
     return forward + backward + (step if stepped else 0)
 
 
-def streaming(keep: bool) -> dict:
+def streaming(keep: bool, precision: str = "32-true") -> dict:
     """Stage 3 with clipping and a step skipped for a NaN gradient (rank 0, step 2): per
     step, the bytes the tier read against the units' files, the bytes kept for the next
-    phase against its budget, and the losses against the host tier's."""
+    phase against its budget, and the losses against the host tier's. Under fp16 the
+    unscale, the non-finite check and clipping must read no gradient file of their own:
+    the step's read is the only one, and the skip (agreed from the summaries taken at
+    reduction) reads none, with the loss scaler moved as the host tier's."""
     kind, nan_step = "gpt2", 2
-    engines = {"cpu": _engine(kind, 3, "cpu", nonfinite_grads="skip"),
-               "disk": _engine(kind, 3, "disk", _dir(f"streaming{int(keep)}"),
-                               nonfinite_grads="skip")}
+    engines = {"cpu": _engine(kind, 3, "cpu", nonfinite_grads="skip", precision=precision),
+               "disk": _engine(kind, 3, "disk", _dir(f"streaming{int(keep)}{precision}"),
+                               nonfinite_grads="skip", precision=precision)}
     disk = engines["disk"]
     tier = disk.tier
     assert tier is not None
@@ -175,6 +178,7 @@ def streaming(keep: bool) -> dict:
     sa, sb = engines["cpu"].full_state_dict(), disk.full_state_dict()
     out["weights_equal"] = all(torch.equal(sa[k], sb[k]) for k in sa)
     out["skipped"] = disk.skipped_steps
+    out["scalers"] = [e.scaler.state_dict() if e.scaler else None for e in engines.values()]
     disk.close()
     return out
 
@@ -376,6 +380,9 @@ register("parity_stage3_mapped", parity, stage=3, micro=2, mapped=True)
 register("parity_stage3_bf16", parity, stage=3, kind="mlp", precision="bf16-mixed")
 register("streaming_kept", streaming, keep=True)
 register("streaming_unkept", streaming, keep=False)
+register("streaming_kept_fp16", streaming, keep=True, precision="16-mixed")
+register("parity_stage2_fp16", parity, stage=2, precision="16-mixed")
+register("parity_stage3_fp16", parity, stage=3, kind="mlp", micro=2, precision="16-mixed")
 register("refusals", refusals)
 register("custom_optimizer", custom_optimizer)
 register("full_disk", full_disk)
