@@ -13,9 +13,9 @@ its direct reads and writes beside them) over the bandwidth, and the floor "the 
 16 bytes per parameter (fp32 master, Adam's two moments, the gradient) read once at the
 measured read bandwidth plus 16 written once at the write bandwidth, with the disk step as a
 multiple of it. ``--tier disk --json out.json`` runs one side only (what the memory-cap test runs
-inside a cgroup). Every process builds the model on the meta device and the engine
-initialises it one unit at a time (transformers' ``_init_weights``), so no process ever holds
-a full copy of it.
+inside a cgroup); ``--precision 16-mixed`` trains under fp16 with its dynamic loss scale.
+Every process builds the model on the meta device and the engine initialises it one unit at a
+time (transformers' ``_init_weights``), so no process ever holds a full copy of it.
 """
 
 from __future__ import annotations

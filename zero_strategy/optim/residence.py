@@ -73,8 +73,8 @@ class InMemory:
             g.mul_(on[g.device].to(g.dtype))
 
     def summaries(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Each non-empty gradient's (2-norm ** 2, max-abs) known without reading it: never
-        in memory, where reading it costs no more than keeping a summary."""
+        """Each non-empty gradient's (2-norm ** 2, max-abs), known without reading it: None
+        in memory, where a pass over the gradients reads no file."""
         return None
 
     def peaks(self) -> list[torch.Tensor]:

@@ -312,8 +312,9 @@ class ShardedOptimizer:
         self.where.reserve_states()
 
     def master_grads(self) -> Iterator[torch.Tensor]:
-        """Every unit's reduced gradient shard, in unit order, with every factor deferred to
-        it applied; the caller may change it (``InMemory``, ``Streamed``)."""
+        """The reduced gradient shard of every unit holding one, in unit order, with every
+        factor deferred to it applied; the caller may change it (``InMemory``,
+        ``Streamed``)."""
         return self.where.master_grads()
 
     def unscale_grads(self, inv: float) -> None:
