@@ -30,11 +30,11 @@ def test_groups_of_one_rank_match_ddp(world4: dict) -> None:
 
 def test_hybrid_with_int8_gradients_tracks_ddp(world4: dict) -> None:
     """int8 reduce-scatter inside the groups and int8 all-reduce across them (ZeRO++'s qgZ),
-    against DDP (SGD with momentum, 6 steps). Each reduced element is off by up to half its block's step
-    (max|block| / 254), which for a small gradient sharing a block with large ones is large
-    relative to it: measured 8.6e-3 of a tensor's largest weight, 1.3e-2 for int8 over the
-    4 ranks without groups. 3e-2 bounds that; a reduction that leaves out the other group's
-    gradients is off by 0.51."""
+    against DDP (SGD with momentum, 6 steps). Each reduced element is off by up to half its
+    block's step (max|block| / 254), which for a small gradient sharing a block with large
+    ones is large relative to it: measured 8.6e-3 of a tensor's largest weight, 1.3e-2 for
+    int8 over the 4 ranks without groups. 3e-2 bounds that; a reduction that leaves out the
+    other group's gradients is off by 0.51."""
     for r in check(world4["hybrid_parity_int8_stage3"]):
         assert r["rel"] <= 3e-2 and r["moved"] > 1e-3, r["rel"]
 

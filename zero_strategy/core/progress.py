@@ -28,7 +28,9 @@ class StepPhase(enum.Enum):
     """A synchronised backward has ended: every unit's gradients are reduced (still times the
     fp16 loss scale, where there is one)."""
     UNSCALED = "unscaled"
-    """fp16: the reduced gradients are divided by the loss scale."""
+    """fp16: the reduced gradients are divided by the loss scale (with the disk tier the
+    division waits in each unit for the next read of its gradient, the step's, and every
+    read makes it first: nothing reads a gradient still scaled)."""
     CLIPPED = "clipped"
     """``clip_grad_norm_`` computed the global norm (``StepProgress.norm``): the step reads
     whether the gradients are finite from it instead of another collective."""

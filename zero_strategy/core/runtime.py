@@ -370,9 +370,10 @@ class Runtime(StateMachine):
     def follow_trainability(self, agree: bool) -> None:
         """Which parameters require grad now. ``agree`` (a backward, which every rank runs):
         checked against every rank whenever it changed (one exchange through the rendezvous
-        store then, none otherwise), since ``Unit.trains`` decides which units are reduced and ranks that
-        reduced different units would wait for each other forever. A forward does not agree:
-        a forward may run on one rank alone (a sample logged by rank 0 at stages 0-2)."""
+        store then, none otherwise), since ``Unit.trains`` decides which units are reduced
+        and ranks that reduced different units would wait for each other forever. A forward
+        does not agree: a forward may run on one rank alone (a sample logged by rank 0 at
+        stages 0-2)."""
         flags = tuple(p.requires_grad for unit in self.units for p in unit.params)
         if agree and flags != self._trainable:
             self._agree_trainability(flags)

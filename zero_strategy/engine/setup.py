@@ -70,6 +70,8 @@ def build(parts: EngineParts, model: nn.Module,
     parts.user_optimizer = user
     parts._optimizer_signature = signature(user)
     _place(parts, user)
+    # Before the units: a unit's summary at reduction divides by the scale (disk tier).
+    parts.scaler = LossScaler(parts.config.loss_scale) if parts.plan.policy.scales_loss else None
     _build_units(parts, managed, group_of, materializer)
     _prepare_unmanaged(parts, {id(p) for _, p in managed})
     parts.optimizer = ShardedOptimizer(
@@ -79,7 +81,6 @@ def build(parts: EngineParts, model: nn.Module,
     disk.reserve_states(parts)
     _install(parts, model)
     _take_over_states(parts, existing)
-    parts.scaler = LossScaler(parts.config.loss_scale) if parts.plan.policy.scales_loss else None
     parts._closed = False
     parts.global_step = 0
     parts.skipped_steps = 0
@@ -130,7 +131,8 @@ def _build_units(parts: EngineParts, managed: NamedParams, group_of: dict[int, i
                  materializer: Materializer | None) -> None:
     try:
         parts.units = build_units(parts.module, managed, group_of, parts.plan,
-                                  parts.unit_comms(), parts.placement, materializer)
+                                  parts.unit_comms(), parts.placement, materializer,
+                                  scaler=parts.scaler)
     except BaseException:
         if parts.tier is not None:
             parts.tier.close()

@@ -66,13 +66,13 @@ def _failed(parts: EngineParts, where: str, error: BaseException) -> None:
 
 
 def _unscale(parts: EngineParts) -> None:
+    """fp16: divide the reduced gradients by the loss scale, once per step (the disk tier
+    defers the division to the step's read of each gradient)."""
     if parts.scaler is None:
         return  # no loss scale: reduced gradients are the true ones
     if parts.progress.to("unscale") is not StepPhase.REDUCED:
         return  # divided already (listed in StepProgress.MOVES)
-    inv = 1.0 / parts.scaler.scale
-    for g in parts.optimizer.master_grads():
-        g.mul_(inv)
+    parts.optimizer.unscale_grads(1.0 / parts.scaler.scale)
 
 
 def _expect_reduced(parts: EngineParts, call: str, op: str) -> None:
@@ -372,7 +372,7 @@ def _moved_from_frozen(parts: EngineParts, group_of: dict[int, int]
 
 def _take_over(parts: EngineParts, new: NamedParams, group_of: dict[int, int]) -> None:
     units = build_units(parts.module, new, group_of, parts.plan, parts.unit_comms(),
-                        parts.placement, first_index=len(parts.units))
+                        parts.placement, first_index=len(parts.units), scaler=parts.scaler)
     parts.units.extend(units)
     for name, p in new:
         parts.param_names[id(p)] = name
