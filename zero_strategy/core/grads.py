@@ -104,6 +104,13 @@ class GradStore(ABC):
     def held_tensors(self) -> list[torch.Tensor]:
         """Tensors this store holds now, for memory accounting."""
 
+    @property
+    def reduced(self) -> bool:
+        """Whether a reduction wrote ``grad_shard`` since ``zero`` (else it reads as zeros:
+        a unit of frozen parameters is never reduced, and needs no shard allocated for it).
+        Stages 0-1 keep their full buffer anyway."""
+        return True
+
     def _ranks(self, comm: Communicator) -> int:
         """Every rank contributing to a reduced gradient: the average is taken over them."""
         return comm.world_size * (self.replicas.world_size if self.replicas else 1)
@@ -242,6 +249,10 @@ class ShardedGrads(GradStore):
                 self._shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype,
                                           device=self.device)
         return self._shard
+
+    @property
+    def reduced(self) -> bool:
+        return self._summed
 
     def _take_local(self) -> torch.Tensor:
         self.local = self.pool.take(self.layout.padded_numel, self.dtype).zero_()

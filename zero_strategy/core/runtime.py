@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_flatten
 from ..comm.collectives import Communicator, Handle
 from .autograd import queue_end_of_backward, register_pre_backward
 from .devices import from_host
+from .frozen import FrozenReads
 from .params import ParamState
 from .progress import StepProgress
 from .states import StateMachine, every
@@ -169,7 +170,14 @@ class Runtime(StateMachine):
         GPU): rested one unit later, so the copy overlaps the next unit's work."""
         self._pinned: set[int] = set()
         """Units kept whole until the end of backward: read outside their module's forward,
-        or returned (a view of) their parameters from it."""
+        returned (a view of) their parameters from it, or frozen with nothing telling when
+        backward is done with them (``frozen.py``)."""
+        self._frozen = FrozenReads()
+        """When the pass is done with units that have frozen parameters."""
+        self._hooked: set[int] = set()
+        """Units whose output this forward hooked for backward: the only ones it gathers."""
+        self._backward_order: list[Unit] = []
+        """Those units in reverse forward order: what backward prefetches along."""
         self._held: dict[int, int] = {}
         """Units ``engine.gathered_parameters()`` keeps whole (how many blocks hold each): no
         forward, backward or inference pass frees them until the block ends."""
@@ -303,15 +311,17 @@ class Runtime(StateMachine):
 
     # ---------------------------------------------------------------- forward
     def begin_forward(self) -> None:
+        if self._state is TrainingState.IDLE:  # no graph of an earlier forward awaits backward
+            self._frozen.clear()
         self._to("forward")
         if self._order:
             self._previous_order = self._order
-        self._order, self._in_order = [], set()
+        self._order, self._in_order, self._hooked = [], set(), set()
 
     def end_forward(self) -> None:
         self._to("end_forward" if torch.is_grad_enabled() else "end_forward_no_grad")
 
-    def pre_forward(self, unit: Unit) -> None:
+    def pre_forward(self, unit: Unit, inputs: Any = ()) -> None:
         if self.recomputing():
             self._recomputed = True
             self.pre_backward(unit)  # the unit's backward follows its recomputation at once
@@ -324,6 +334,8 @@ class Runtime(StateMachine):
             if self.prefetch:
                 self._prefetch_after(unit, self._previous_order)
             unit.param_store.finish_unshard()
+        if torch.is_grad_enabled():
+            self._frozen.enter(unit, inputs, self._inputs_done)
 
     def recomputing(self) -> bool:
         """A module's forward inside backward: a checkpointed module recomputing."""
@@ -341,12 +353,17 @@ class Runtime(StateMachine):
         hooked = torch.is_grad_enabled() and register_pre_backward(
             leaves, lambda: self.pre_backward(unit)
         )
+        if hooked:
+            self._hooked.add(unit.index)
+        # Nothing of this forward can be differentiated through the unit (a frozen block
+        # ahead of everything that trains): backward will not need it.
+        inert = torch.is_grad_enabled() and self._frozen.leave(unit, hooked)
         if not torch.is_grad_enabled() and unit is self.root_unit:
             self.verify_gather_order()
             # Inference: nothing will need the parameters again (but what a
             # gathered_parameters() block holds: generate() inside one gathers once).
             self.reshard_all()
-        elif unit is not self.root_unit and (hooked or not torch.is_grad_enabled()):
+        elif unit is not self.root_unit and (hooked or inert or not torch.is_grad_enabled()):
             # Only free what a pre-backward hook can bring back; an output we cannot hook
             # keeps its unit gathered until the end of backward.
             with record_function("zero::free"):
@@ -377,17 +394,18 @@ class Runtime(StateMachine):
         which reductions are launched: the same on every rank whatever arrives."""
         for unit in self.units:
             unit.expected = sum(1 for p in unit.params if p.requires_grad)
-            if unit.expected < len(unit.params):
-                # A frozen parameter's value is still read after the unit's trainable ones
-                # have their gradients (for the gradient of the module's input, as with a
-                # frozen base weight beside a trainable adapter): the unit stays whole until
-                # the end of backward.
-                self._pinned.add(unit.index)
+            if unit.expected == 0 and self._frozen.untracked(unit):
+                self._pinned.add(unit.index)  # nothing tells when backward is done with it
         gathers = any(u.param_store.gathers for u in self.units)
         agree = gathers and self.check_gather_order and not self.defer_order_check
         ran = list(reversed(self._order))
         seen = {u.index for u in ran}
-        self._launch_order = ran + [u for u in self.units if u.index not in seen]
+        self._backward_order = [u for u in ran if u.index in self._hooked]
+        # A unit of frozen parameters alone gets no gradient, so it has nothing to reduce
+        # (and no gradient shard to hold): it is not waited for (ranks agree on what
+        # trains, as DDP needs them to).
+        self._launch_order = [u for u in ran + [u for u in self.units if u.index not in seen]
+                              if u.expected]
         self._cursor = self._ready = 0
         self._agreed = 0 if agree else None
         self._complete = set()
@@ -413,7 +431,7 @@ class Runtime(StateMachine):
         after it in that region, whose gradients are already reduced."""
         plan = self._backward_plan
         if not plan:
-            self._prefetch_after(unit, self._order[::-1])
+            self._prefetch_after(unit, self._backward_order)
             return
         position = self._plan_index.get(unit.index)
         if position is not None and position > self._plan_reached:
@@ -447,9 +465,16 @@ class Runtime(StateMachine):
         if self.sync:
             self._complete.add(unit.index)
             self._launch_ready()
-        # Every use of the unit's parameters is behind us once all their gradients arrived
-        # (a unit with frozen parameters is pinned instead: ``_begin_backward``).
-        self.release(unit)
+        # Every use of the unit's parameters is behind us once all their gradients arrived,
+        # and, with frozen parameters, its inputs' too (``frozen.py``).
+        if not self._frozen.inputs_pending(unit):
+            self.release(unit)
+
+    def _inputs_done(self, unit: Unit) -> None:
+        """The last input gradient of ``unit``'s forwards in this pass was computed."""
+        self._ensure_callback()
+        if unit.expected == 0 or unit.reduced_this_pass:
+            self.release(unit)
 
     def _launch_ready(self) -> None:
         order = self._launch_order
@@ -473,7 +498,7 @@ class Runtime(StateMachine):
             self._agreed = None  # every rank reaches this point: it launches everything
             self._launch_ready()
             for unit in self.units:
-                if not unit.reduced_this_pass:
+                if not unit.reduced_this_pass and unit.expected:
                     self._finish_unit(unit)
                 unit.reduced_this_pass = False
             for unit in self._launched:
@@ -485,6 +510,7 @@ class Runtime(StateMachine):
             self.verify_gather_order()  # before anything gathered can reach the step
             if self.sync:
                 self._agree_on_used()
+            self._frozen.clear()
             self.reshard_all()
             self._backward_plan = self._backward_trace if self._recomputed else []
             self._plan_index = {u.index: i for i, u in enumerate(self._backward_plan)}
@@ -512,6 +538,7 @@ class Runtime(StateMachine):
         self._cursor = self._ready = 0
         self._agreed = None
         self._callback_queued = False
+        self._frozen.clear()
         self.reshard_all()
         self._to("reset")  # only now: an error above leaves the pass to reset again
 

@@ -362,16 +362,18 @@ class ShardedOptimizer:
         """Every unit's reduced gradient shard, in unit order. With the disk tier each is
         read ahead before it is yielded and written back once the caller moves on, so a loop
         over them holds about two in memory."""
+        # A unit no reduction reached (frozen) holds zeros: nothing to read or allocate.
+        units = [u for u in self.units if u.grad_store.reduced]
         if self.tier is None:
-            for unit in self.units:
+            for unit in units:
                 yield unit.master_grad
             return
         tier = self.tier
-        for k, unit in enumerate(self.units):
+        for k, unit in enumerate(units):
             if k == 0:
                 tier.prefetch([unit.master_grad])
-            if k + 1 < len(self.units):
-                tier.prefetch([self.units[k + 1].master_grad])
+            if k + 1 < len(units):
+                tier.prefetch([units[k + 1].master_grad])
             tier.ready([unit.master_grad])  # the caller may change it
             grad = unit.settled_grad()
             yield grad
@@ -399,7 +401,7 @@ class ShardedOptimizer:
         if self.tier is None:
             return None
         out = []
-        for unit in self.units:
+        for unit in (u for u in self.units if u.grad_store.reduced):
             if unit.pending_scales or (unit.grad_summary is None and unit.layout.shard_numel):
                 return None
             if unit.grad_summary is not None:
