@@ -23,9 +23,10 @@ the precision's dtypes, the optimizer's states per parameter), not fitted to a m
   slice of a second pass, and the reduced shards, born here: those of every unit holding a
   trainable parameter (a unit's shard covers its frozen parameters too), in the master's
   dtype as well where that differs from the reduction's.
-- **step**: the optimizer's states for the trainable elements of this rank's shard, created
-  at the first step, and the update's scratch (torch's multi-tensor update computes its
-  denominator into one new list over them; the per-tensor one two temporaries of a piece).
+- **step**: the optimizer's states for the trainable elements of this rank's shard (and the
+  ``step`` count per piece), created at the first step, and the update's scratch (torch's
+  multi-tensor update computes its denominator into one new list over them; the per-tensor
+  one two temporaries of a piece).
 - **save** (streamed, ``checkpoint/save_hub.py``): twice the bucket, or the largest tensor.
 
 Activations come from the caller: ``zero_strategy.estimate_activations`` for the shipped
@@ -44,6 +45,7 @@ from ..checkpoint.export import DEFAULT_BUCKET_BYTES
 from ..core.runtime import MAX_INFLIGHT_REDUCTIONS
 
 if TYPE_CHECKING:
+    from ..core.flat import Piece
     from ..core.units import Unit
     from ..engine_view import EngineView
 
@@ -53,6 +55,9 @@ LOADER_SCRATCH = 12 << 20
 SOURCE_BYTES = 4
 """Bytes per element of a source tensor as a folder stores it (fp32 at most, for the
 floating weights of the families loaded)."""
+STEP_BYTES = 4
+"""The ``step`` count torch's Adam family (and others) keep per parameter, a float32 scalar:
+one per piece of a shard the inner optimizer steps."""
 SLACK_BYTES = 24 << 20
 """What no term counts, per phase: memory the process itself takes while a phase runs and
 keeps in its heap. Python objects of a step (autograd's nodes and saved-variable records,
@@ -96,10 +101,15 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def _trainable_pieces(unit: Unit, rank: int) -> list[Piece]:
+    """The pieces of this rank's optimizer shard that belong to trainable parameters."""
+    trains = {slot.name for slot, p in zip(unit.layout.slots, unit.params) if p.requires_grad}
+    return [piece for piece in unit.layout.pieces(rank) if piece.slot.name in trains]
+
+
 def _trainable_here(unit: Unit, rank: int) -> int:
     """Elements of this rank's optimizer shard that belong to trainable parameters."""
-    trains = {slot.name for slot, p in zip(unit.layout.slots, unit.params) if p.requires_grad}
-    return sum(piece.numel for piece in unit.layout.pieces(rank) if piece.slot.name in trains)
+    return sum(piece.numel for piece in _trainable_pieces(unit, rank))
 
 
 def phase_bounds(engine: EngineView, *, activation_bytes: int, loaded_whole: bool = False,
@@ -133,7 +143,8 @@ def phase_bounds(engine: EngineView, *, activation_bytes: int, loaded_whole: boo
     terms["gradient_shards"] = shards * (g + (m if m != g else 0))
     here = [_trainable_here(u, rank) for u in units]
     states = engine.optimizer.states_per_param()
-    terms["optimizer_states"] = sum(here) * states * m
+    pieces = sum(len(_trainable_pieces(u, rank)) for u in units)
+    terms["optimizer_states"] = sum(here) * states * m + pieces * STEP_BYTES
     largest_piece = max((piece.numel for u in units for piece in u.layout.pieces(rank)),
                         default=0)
     terms["step_scratch"] = (sum(here) + largest_piece) * m if sum(here) else 0
