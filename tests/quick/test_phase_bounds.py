@@ -56,6 +56,7 @@ def test_gradient_and_optimizer_terms_are_what_the_step_allocates(runs: list[dic
 def test_each_bound_adds_its_terms_and_the_slack(runs: list[dict]) -> None:
     t, b = runs[0]["terms"], runs[0]["bounds"]
     assert b["forward"] == t["gathered"] + t["activations"] + SLACK_BYTES
+    assert t["routed_held"] == 0  # no routed block in this model
     assert b["backward"] == b["forward"] + t["gradient_buffers"] + t["gradient_shards"]
     assert b["step"] == t["optimizer_states"] + t["step_scratch"] + SLACK_BYTES
     assert b["save"] == t["save_buckets"] + SLACK_BYTES

@@ -48,9 +48,10 @@ from torch.utils._pytree import tree_flatten
 from ..comm.collectives import Communicator, Handle
 from .autograd import queue_end_of_backward, register_pre_backward
 from .devices import from_host
-from .frozen import FrozenReads
+from .input_grads import InputGrads
 from .params import ParamState
 from .progress import StepProgress
+from .routed import routed_blocks
 from .states import StateMachine, every
 from .units import Unit
 
@@ -171,9 +172,16 @@ class Runtime(StateMachine):
         self._pinned: set[int] = set()
         """Units kept whole until the end of backward: read outside their module's forward,
         returned (a view of) their parameters from it, or frozen with nothing telling when
-        backward is done with them (``frozen.py``)."""
-        self._frozen = FrozenReads()
-        """When the pass is done with units that have frozen parameters."""
+        backward is done with them (``input_grads.py``)."""
+        self._inputs = InputGrads()
+        """When the pass is done with units whose gradients do not say so."""
+        self._routed = {u.index for u in units
+                        if u.module is not None and id(u.module) in routed_blocks(root)}
+        """Routed blocks (mixture of experts): reduced once their input's gradient is
+        computed, whatever experts idle on this rank did not send."""
+        self._reduced_early: set[int] = set()
+        """Routed blocks reduced so in this backward: a gradient of theirs arriving after
+        it would be lost, and is refused."""
         self._hooked: set[int] = set()
         """Units whose output this forward hooked for backward: the only ones it gathers."""
         self._backward_order: list[Unit] = []
@@ -312,7 +320,7 @@ class Runtime(StateMachine):
     # ---------------------------------------------------------------- forward
     def begin_forward(self) -> None:
         if self._state is TrainingState.IDLE:  # no graph of an earlier forward awaits backward
-            self._frozen.clear()
+            self._inputs.clear()
         self._to("forward")
         if self._order:
             self._previous_order = self._order
@@ -335,7 +343,7 @@ class Runtime(StateMachine):
                 self._prefetch_after(unit, self._previous_order)
             unit.param_store.finish_unshard()
         if torch.is_grad_enabled():
-            self._frozen.enter(unit, inputs, self._inputs_done)
+            self._inputs.enter(unit, inputs, self._inputs_done, unit.index in self._routed)
 
     def recomputing(self) -> bool:
         """A module's forward inside backward: a checkpointed module recomputing."""
@@ -357,7 +365,7 @@ class Runtime(StateMachine):
             self._hooked.add(unit.index)
         # Nothing of this forward can be differentiated through the unit (a frozen block
         # ahead of everything that trains): backward will not need it.
-        inert = torch.is_grad_enabled() and self._frozen.leave(unit, hooked)
+        inert = torch.is_grad_enabled() and self._inputs.leave(unit, hooked)
         if not torch.is_grad_enabled() and unit is self.root_unit:
             self.verify_gather_order()
             # Inference: nothing will need the parameters again (but what a
@@ -394,7 +402,7 @@ class Runtime(StateMachine):
         which reductions are launched: the same on every rank whatever arrives."""
         for unit in self.units:
             unit.expected = sum(1 for p in unit.params if p.requires_grad)
-            if unit.expected == 0 and self._frozen.untracked(unit):
+            if unit.expected == 0 and self._inputs.untracked(unit):
                 self._pinned.add(unit.index)  # nothing tells when backward is done with it
         gathers = any(u.param_store.gathers for u in self.units)
         agree = gathers and self.check_gather_order and not self.defer_order_check
@@ -411,6 +419,7 @@ class Runtime(StateMachine):
         self._complete = set()
         self._backward_trace, self._traced, self._recomputed = [], set(), False
         self._plan_reached = -1
+        self._reduced_early = set()
 
     def pre_backward(self, unit: Unit) -> None:
         self._ensure_callback()
@@ -450,6 +459,13 @@ class Runtime(StateMachine):
 
     def on_grad(self, unit: Unit, index: int, param: torch.Tensor) -> None:
         self._ensure_callback()
+        if unit.index in self._reduced_early and unit.reduced_this_pass and self.sync:
+            raise RuntimeError(
+                f"a gradient of {unit.layout.slots[index].name!r} arrived after its routed "
+                f"block {unit.name!r} was reduced (a routed block is reduced once its input's "
+                "gradient is computed, whatever experts idle on this rank did not send): the "
+                "parameter is read outside the block's forward too, on a path that backward "
+                "reaches later, and its gradient would be lost")
         grad = param.grad
         assert grad is not None
         unit.grad_store.accumulate(index, grad)
@@ -467,14 +483,18 @@ class Runtime(StateMachine):
             self._launch_ready()
         # Every use of the unit's parameters is behind us once all their gradients arrived,
         # and, with frozen parameters, its inputs' too (``frozen.py``).
-        if not self._frozen.inputs_pending(unit):
+        if not self._inputs.inputs_pending(unit):
             self.release(unit)
 
     def _inputs_done(self, unit: Unit) -> None:
-        """The last input gradient of ``unit``'s forwards in this pass was computed."""
+        """The last input gradient of ``unit``'s forwards in this pass was computed: every
+        gradient the unit gets in this pass has arrived (``input_grads.py``)."""
         self._ensure_callback()
         if unit.expected == 0 or unit.reduced_this_pass:
             self.release(unit)
+        elif unit.index in self._routed and unit.index not in self._pinned:
+            self._reduced_early.add(unit.index)  # an idle expert's slots stay zeros
+            self._finish_unit(unit)
 
     def _launch_ready(self) -> None:
         order = self._launch_order
@@ -510,7 +530,7 @@ class Runtime(StateMachine):
             self.verify_gather_order()  # before anything gathered can reach the step
             if self.sync:
                 self._agree_on_used()
-            self._frozen.clear()
+            self._inputs.clear()
             self.reshard_all()
             self._backward_plan = self._backward_trace if self._recomputed else []
             self._plan_index = {u.index: i for i, u in enumerate(self._backward_plan)}
@@ -538,7 +558,7 @@ class Runtime(StateMachine):
         self._cursor = self._ready = 0
         self._agreed = None
         self._callback_queued = False
-        self._frozen.clear()
+        self._inputs.clear()
         self.reshard_all()
         self._to("reset")  # only now: an error above leaves the pass to reset again
 

@@ -22,7 +22,11 @@ the precision's dtypes, the optimizer's states per parameter), not fitted to a m
   each reduction in flight (``MAX_INFLIGHT_REDUCTIONS``) and the one accumulating, a reduced
   slice of a second pass, and the reduced shards, born here: those of every unit holding a
   trainable parameter (a unit's shard covers its frozen parameters too), in the master's
-  dtype as well where that differs from the reduction's.
+  dtype as well where that differs from the reduction's. A routed block (``core/routed.py``)
+  is reduced once its input's gradient is computed, whatever experts idle on the rank did
+  not send (``core/input_grads.py``); the first trainable one can have an input that needs no
+  gradient (nothing before it trains), and with an expert idle it is reduced only at the end
+  of backward: its full-size gradient, held beside the window (``routed_held``).
 - **step**: the optimizer's states for the trainable elements of this rank's shard (and the
   ``step`` count per piece), created at the first step, and the update's scratch (torch's
   multi-tensor update computes its denominator into one new list over them; the per-tensor
@@ -42,6 +46,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..checkpoint.export import DEFAULT_BUCKET_BYTES
+from ..core.routed import routed_blocks
 from ..core.runtime import MAX_INFLIGHT_REDUCTIONS
 
 if TYPE_CHECKING:
@@ -138,6 +143,10 @@ def phase_bounds(engine: EngineView, *, activation_bytes: int, loaded_whole: boo
     widest = max((u.layout.padded_numel for u in trainable), default=0)
     slice_ = max((u.layout.shard_numel for u in trainable), default=0)
     terms["gradient_buffers"] = ((MAX_INFLIGHT_REDUCTIONS + 1) * widest + slice_) * g
+    routed = routed_blocks(engine.module)
+    terms["routed_held"] = max((u.layout.padded_numel for u in trainable
+                                if u.module is not None and id(u.module) in routed),
+                               default=0) * g
     sharded_grads = engine.plan.stage >= 2
     shards = sum(u.layout.shard_numel for u in trainable) if sharded_grads else 0
     terms["gradient_shards"] = shards * (g + (m if m != g else 0))
@@ -154,7 +163,7 @@ def phase_bounds(engine: EngineView, *, activation_bytes: int, loaded_whole: boo
     load = (t["params_at_rest"] + t["masters_at_rest"] + t["full_gradients"] + t["unmanaged"]
             + t["loader_window"] + t.get("whole_model", 0))
     forward = t["gathered"] + t["activations"]
-    backward = forward + t["gradient_buffers"] + t["gradient_shards"]
+    backward = forward + t["gradient_buffers"] + t["routed_held"] + t["gradient_shards"]
     step = t["optimizer_states"] + t["step_scratch"]
     return PhaseBounds(load=load + SLACK_BYTES, forward=forward + SLACK_BYTES,
                        backward=backward + SLACK_BYTES, step=step + SLACK_BYTES,

@@ -1,15 +1,20 @@
-"""When a pass is done with a stage-3 unit that has frozen parameters.
+"""When a pass is done with a stage-3 unit whose own gradients do not say so: a unit with
+frozen parameters, and a routed block (``routed.py``) one of whose experts got no token.
 
 A unit whose parameters all train is done with once all their gradients arrived: the node
 that reads a weight in backward is the one that produces its gradient. A frozen parameter
-never produces one, so its last read gives no signal of its own. It is read in backward only
-to carry a gradient through the module (to its input, or to trainable parameters, as a
-frozen base weight beside a LoRA adapter), so the unit is done with once
-
-- every trainable parameter of it has its gradient (as for any unit), and
-- the gradient of every input of its forward that requires one has been computed: autograd
-  computes an input's gradient only after every node between it and the loss has run, the
-  unit's own among them (what FSDP2 and DeepSpeed's ZeRO-3 free such a module on).
+never produces one, so its last read gives no signal of its own; nor does an expert that
+received no token on this rank, whose gradients never arrive here. But a unit is done with
+once the gradient of every input of its forward that requires one has been computed:
+autograd computes an input's gradient only after every node between it and the loss has
+run, and among nodes that are ready it runs first the ones recorded last (each node of the
+unit's forward was recorded after the input it reads), accumulating a parameter's gradient
+before anything else. So by then every gradient the unit gets in this pass has arrived, and
+every read of its parameters is behind (what FSDP2 and DeepSpeed's ZeRO-3 free a module on).
+A unit with frozen parameters is therefore freed once its trainable parameters' gradients
+have arrived and its inputs' have been computed; a routed block is reduced then too,
+whatever its idle experts did not send (they count as zeros, as under DDP), instead of at
+the end of backward with every reduction after it in the launch order held back behind it.
 
 And a forward that can build no graph through the unit (no input, no parameter of it and no
 output requiring grad, no unit inside it hooked for backward) leaves nothing for backward:
@@ -17,12 +22,14 @@ the unit is free at once, as under ``torch.no_grad()``. Without these, a fine-tu
 freezes most of the model kept every frozen unit it ran whole until the end of backward: a
 head-only fine-tune held the whole model per rank (issue 58).
 
-What this cannot see is a frozen weight read in the unit's forward on a path to neither its
-inputs nor its trainable parameters (``W @ p`` with ``p`` a trainable tensor from elsewhere,
-added to the output): freed when the input gradients are done, such a weight would read as
-the placeholder's NaN in backward, which the step's non-finite check reports. A unit that
-shows it (an output requiring grad where no input or parameter of it does) stays whole to
-the end of backward.
+What this cannot see is a parameter read in the unit's forward on a path to none of its
+inputs (``W @ p`` with ``p`` a trainable tensor from elsewhere, added to the output): freed
+when the input gradients are done, a frozen such weight would read as the placeholder's NaN
+in backward, which the step's non-finite check reports, and a routed block's gradient
+arriving after its reduction is refused by name. A unit that shows it (an output requiring
+grad where no input or parameter of it does) stays whole to the end of backward; one whose
+inputs need no gradient (nothing before it trains) is not watched: its frozen parameters
+stay whole, and a routed block waits, to the end of backward.
 """
 
 from __future__ import annotations
@@ -44,12 +51,12 @@ class _Call:
     graph: bool
     """An input or a parameter of the unit requires grad: autograd may record through it."""
     hooked_before: int
-    """``FrozenReads.hooked`` when the call began."""
+    """``InputGrads.hooked`` when the call began."""
 
 
-class FrozenReads:
-    """Per pass: for each unit with frozen parameters, the input gradients still to come, and
-    the forwards in progress (a stack: units nest)."""
+class InputGrads:
+    """Per pass: for each unit watched (frozen parameters, a routed block), the input
+    gradients still to come, and the forwards in progress (a stack: units nest)."""
 
     def __init__(self) -> None:
         self._due: dict[int, int] = {}
@@ -68,15 +75,16 @@ class FrozenReads:
         self._due.clear()
         self._calls.clear()
 
-    def enter(self, unit: Unit, inputs: Any, done: Callable[[Unit], None]) -> None:
+    def enter(self, unit: Unit, inputs: Any, done: Callable[[Unit], None],
+              routed: bool = False) -> None:
         """A forward of ``unit`` begins with ``inputs`` (grad enabled): hook the gradient of
-        each input that requires one when the unit has a frozen parameter; ``done(unit)``
-        runs when the last of them is computed."""
+        each input that requires one when the unit has a frozen parameter or is ``routed``;
+        ``done(unit)`` runs when the last of them is computed."""
         trainable = sum(1 for p in unit.params if p.requires_grad)
         grads = {id(t): t for t in tree_flatten(inputs)[0]
                  if isinstance(t, torch.Tensor) and t.requires_grad}
         self._calls.append(_Call(unit, bool(grads) or trainable > 0, self.hooked))
-        if trainable == len(unit.params) or not grads:
+        if (trainable == len(unit.params) and not routed) or not grads:
             return
         self._due[unit.index] = self._due.get(unit.index, 0) + len(grads)
 
@@ -104,6 +112,6 @@ class FrozenReads:
         return self._due.get(unit.index, 0) > 0
 
     def untracked(self, unit: Unit) -> bool:
-        """A unit of frozen parameters alone whose forwards hooked no input: nothing tells
-        when backward is done with it (see the module docstring)."""
+        """A unit whose forwards hooked no input: nothing but its own gradients tells when
+        backward is done with it (see the module docstring)."""
         return unit.index not in self._due
