@@ -81,37 +81,51 @@ def make_folder(folder: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def trained_prefixes(pattern: str) -> tuple[str, ...] | None:
-    """Parameter name prefixes that train (None: all of them)."""
-    return {"full": None, "reference": None, "head": ("transformer.ln_f.",),
-            "last_blocks": (f"transformer.h.{LAYERS - 2}.", f"transformer.h.{LAYERS - 1}.",
-                            "transformer.ln_f."),
-            "first_block": ("transformer.h.0.",)}[pattern]
+# Per model family: the blocks' prefix, the final norm's, an untied head's, and LoRA's targets.
+FAMILY = {"gpt2": ("transformer.h.", ("transformer.ln_f.",), ["c_attn", "c_proj"]),
+          "qwen3_moe": ("model.layers.", ("model.norm.", "lm_head."),
+                        ["q_proj", "k_proj", "v_proj", "o_proj"])}
 
 
-def lora_config(pattern: str) -> Any:
+def trained_prefixes(pattern: str, config: Any = None) -> tuple[str, ...] | None:
+    """Parameter name prefixes that train under ``pattern`` (None: all of them), for a model
+    of ``config`` (default: the GPT-2 of ``make_folder``)."""
+    kind, layers = (config.model_type, config.num_hidden_layers) if config else ("gpt2", LAYERS)
+    blocks, head, _ = FAMILY[kind]
+    return {"full": None, "reference": None, "head": head,
+            "last_blocks": (f"{blocks}{layers - 2}.", f"{blocks}{layers - 1}.", *head),
+            "first_block": (f"{blocks}0.",)}[pattern]
+
+
+def lora_config(pattern: str, config: Any = None) -> Any:
+    """PEFT's LoRA (r=8) on every block's attention (and GPT-2's output projections), or on
+    the first and the last block."""
     from peft import LoraConfig
 
-    layers = None if pattern == "lora_all" else [0, LAYERS - 1]
-    return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["c_attn", "c_proj"],
-                      fan_in_fan_out=True, layers_to_transform=layers)
+    kind, layers = (config.model_type, config.num_hidden_layers) if config else ("gpt2", LAYERS)
+    return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=FAMILY[kind][2],
+                      fan_in_fan_out=kind == "gpt2",  # GPT-2's Conv1D stores weights transposed
+                      layers_to_transform=None if pattern == "lora_all" else [0, layers - 1])
 
 
-def load_model(pattern: str, folder: Path, wrap_lora: bool = True) -> Any:
-    """The model as the pattern trains it: streamed onto meta and frozen by name, or (LoRA)
-    loaded whole and wrapped by PEFT (not when a trainer does the wrapping itself)."""
+def load_model(pattern: str, folder: Path, wrap_lora: bool = True, cls: Any = None,
+               streamed: bool = True) -> Any:
+    """The model (``cls``, default GPT-2) as the pattern trains it: streamed onto meta
+    (``streamed``: else ``cls.from_pretrained``) and frozen by name, or (LoRA) loaded whole
+    and wrapped by PEFT (not when a trainer does the wrapping itself)."""
     from transformers import GPT2LMHeadModel
 
     from zero_strategy.transformers import from_pretrained
 
+    cls = cls or GPT2LMHeadModel
     if pattern.startswith("lora"):
-        model = GPT2LMHeadModel.from_pretrained(folder)
+        model = cls.from_pretrained(folder)
         if wrap_lora:
             from peft import get_peft_model
-            model = get_peft_model(model, lora_config(pattern))
+            model = get_peft_model(model, lora_config(pattern, model.config))
         return model.train()
-    model = from_pretrained(GPT2LMHeadModel, folder).train()
-    prefixes = trained_prefixes(pattern)
+    model = (from_pretrained(cls, folder) if streamed else cls.from_pretrained(folder)).train()
+    prefixes = trained_prefixes(pattern, model.config)
     for name, p in model.named_parameters():
         p.requires_grad_(prefixes is None or name.startswith(prefixes))
     return model
@@ -143,7 +157,10 @@ class Meter:
     def __init__(self) -> None:
         self.growth: dict[str, float] = {}
         self.seconds: dict[str, float] = {}
-        self._start = self._began = 0.0
+        self.peak = 0.0
+        """The highest RSS any phase reached (MiB)."""
+        self.at = self._began = 0.0
+        """``at``: the RSS when the phase began (MiB)."""
 
     def start(self, collect: bool = False) -> None:
         """``collect``: run the garbage collector first (a phase after one that dropped
@@ -153,11 +170,13 @@ class Meter:
             gc.collect()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # the high-water mark (VmHWM) back to the current RSS (proc(5))
-        self._start = _status_mib("VmRSS")
+        self.at = _status_mib("VmRSS")
         self._began = time.perf_counter()
 
     def stop(self, phase: str) -> None:
-        grown = _status_mib("VmHWM") - self._start
+        peak = _status_mib("VmHWM")
+        self.peak = max(self.peak, peak)
+        grown = peak - self.at
         self.growth[phase] = round(max(self.growth.get(phase, 0.0), grown), 1)
         spent = time.perf_counter() - self._began
         self.seconds[phase] = round(self.seconds.get(phase, 0.0) + spent, 2)
@@ -173,14 +192,15 @@ class Run:
         self.terms: dict[str, float] = {}
         self.losses: list[float] = []
 
-    def bound(self, engine: Any, activations: int, extra: Any = None) -> None:
+    def bound(self, engine: Any, activations: int, extra: Any = None,
+              loaded_whole: bool | None = None) -> None:
         """The engine's bounds (``extra``: a frozen engine beside it, whose shards add to
         load and its units in flight to forward: it runs no backward, and its pool keeps
-        the blocks its forward took)."""
+        the blocks its forward took). ``loaded_whole``: default, for the LoRA patterns."""
         from zero_strategy.memory.phases import SLACK_BYTES
 
-        b = engine.phase_bounds(activation_bytes=activations,
-                                loaded_whole=self.pattern.startswith("lora"))
+        whole = self.pattern.startswith("lora") if loaded_whole is None else loaded_whole
+        b = engine.phase_bounds(activation_bytes=activations, loaded_whole=whole)
         bounds = {p: b.of(p) for p in PHASES}
         self.terms = {k: round(v / MIB, 1) for k, v in b.terms.items()}
         if extra is not None:
@@ -348,9 +368,19 @@ def _lightning_module(run: Run, folder: Path) -> Any:
 
 # -- Trainer, TRL ---------------------------------------------------------------------------
 
-def _watch(run: Run, trainer: Any, activations: int, reference: bool = False) -> None:
-    """Trainer's phases: load to ``on_train_begin``, forward ``compute_loss``, backward
-    ``accelerator.backward``, the step from there to ``on_step_end``."""
+def _bounds_at_start(run: Run, trainer: Any, activations: int,
+                     reference: bool = False) -> Callable[[], None]:
+    def bound() -> None:
+        extra = getattr(trainer.ref_model, "engine", None) if reference else None
+        run.bound(trainer.zero_engine, activations, extra)
+
+    return bound
+
+
+def watch(run: Run, trainer: Any, on_begin: Callable[[], None] | None = None) -> None:
+    """Trainer's phases: load to ``on_train_begin`` (where ``on_begin`` runs: the engine
+    exists), forward ``compute_loss``, backward ``accelerator.backward``, the step from there
+    to ``on_step_end``."""
     from transformers import TrainerCallback
 
     compute_loss = trainer.compute_loss
@@ -366,8 +396,8 @@ def _watch(run: Run, trainer: Any, activations: int, reference: bool = False) ->
     class Marks(TrainerCallback):
         def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
             run.meter.stop("load")
-            extra = getattr(trainer.ref_model, "engine", None) if reference else None
-            run.bound(trainer.zero_engine, activations, extra)
+            if on_begin is not None:
+                on_begin()
             backward = trainer.accelerator.backward
 
             def measured(*a: Any, **k: Any) -> None:
@@ -413,7 +443,7 @@ def run_trainer(run: Run, folder: Path) -> None:
     model = load_model(run.pattern, folder)
     trainer = ZeroTrainer(model=model, args=args, train_dataset=Rows(tokens(0, 2 * STEPS)),
                           zero_plugin=ZeroPlugin(stage=3))
-    _watch(run, trainer, activation_bytes(model.config))
+    watch(run, trainer, _bounds_at_start(run, trainer, activation_bytes(model.config)))
     trainer.train()
     save(run, trainer.save_model, "trainer")
 
@@ -457,7 +487,8 @@ def run_sft(run: Run, folder: Path) -> None:
         train_dataset=Dataset.from_dict({"text": _words(2 * STEPS, SEQ - 1, 0)}),
         peft_config=lora_config(run.pattern) if lora else None,
         zero_plugin=ZeroPlugin(stage=3))
-    _watch(run, trainer, activation_bytes(model.config, checkpointing=args.gradient_checkpointing))
+    watch(run, trainer, _bounds_at_start(
+        run, trainer, activation_bytes(model.config, checkpointing=args.gradient_checkpointing)))
     trainer.train()
     save(run, trainer.save_model, "sft")
 
@@ -482,7 +513,8 @@ def run_reference(run: Run, folder: Path) -> None:
                                     processing_class=_tokenizer(), train_dataset=data,
                                     zero_plugin=ZeroPlugin(stage=3))
     # chosen and rejected in one forward: twice the rows
-    _watch(run, trainer, activation_bytes(policy.config, batch=2 * BATCH), reference=True)
+    activations = activation_bytes(policy.config, batch=2 * BATCH)
+    watch(run, trainer, _bounds_at_start(run, trainer, activations, reference=True))
     trainer.train()
     save(run, trainer.save_model, "reference")
 
