@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from grpo_bench import WORDS, tokenizer  # a word-level tokenizer built in code
 
 PATHS = ("engine", "fabric", "lightning", "accelerator", "trainer", "sft", "reference")
 PATTERNS = ("full", "head", "last_blocks", "first_block", "lora_all", "lora_some")
@@ -225,6 +226,24 @@ def _save_dir(path: str, pattern: str) -> Path:
 
 # -- the paths ------------------------------------------------------------------------------
 
+def _steps(run: Run, rank: int, forward: Callable[[torch.Tensor], torch.Tensor],
+           backward: Callable[[torch.Tensor], None], step: Callable[[], None]) -> None:
+    """The training loop of the paths a user writes by hand, each phase measured: ``forward``
+    returns the loss, ``backward`` takes it, ``step`` clips, steps and zeroes."""
+    for ids in tokens(rank).split(BATCH):
+        run.meter.start()
+        loss = forward(ids)
+        run.meter.stop("forward")
+        run.meter.start()
+        backward(loss)
+        run.meter.stop("backward")
+        run.losses.append(float(loss.detach()))
+        del loss
+        run.meter.start()
+        step()
+        run.meter.stop("step")
+
+
 def run_engine(run: Run, folder: Path) -> None:
     import zero_strategy as zs
 
@@ -234,20 +253,13 @@ def run_engine(run: Run, folder: Path) -> None:
                            zs.ZeroConfig(stage=3))
     run.meter.stop("load")
     run.bound(engine, activation_bytes(model.config))
-    for ids in tokens(engine.comm.rank).split(BATCH):
-        run.meter.start()
-        out = engine(input_ids=ids, labels=ids)
-        run.meter.stop("forward")
-        run.meter.start()
-        engine.backward(out.loss)
-        run.meter.stop("backward")
-        run.losses.append(float(out.loss.detach()))
-        del out
-        run.meter.start()
+    def step() -> None:
         engine.clip_grad_norm_(1.0)
         engine.step()
         engine.zero_grad()
-        run.meter.stop("step")
+
+    _steps(run, engine.comm.rank, lambda ids: engine(input_ids=ids, labels=ids).loss,
+           engine.backward, step)
     save(run, lambda where: engine.save_pretrained(where), "engine")
     engine.close()
 
@@ -261,20 +273,13 @@ def run_accelerator(run: Run, folder: Path) -> None:
     wrapped, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
     run.meter.stop("load")
     run.bound(accelerator.engine, activation_bytes(model.config))
-    for ids in tokens(accelerator.process_index).split(BATCH):
-        run.meter.start()
-        loss = wrapped(input_ids=ids, labels=ids).loss
-        run.meter.stop("forward")
-        run.meter.start()
-        accelerator.backward(loss)
-        run.meter.stop("backward")
-        run.losses.append(float(loss.detach()))
-        del loss
-        run.meter.start()
+    def step() -> None:
         accelerator.clip_grad_norm_(wrapped.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
-        run.meter.stop("step")
+
+    _steps(run, accelerator.process_index, lambda ids: wrapped(input_ids=ids, labels=ids).loss,
+           accelerator.backward, step)
     save(run, lambda where: accelerator.save_model(wrapped, where), "accelerator")
     accelerator.free_memory()
 
@@ -290,20 +295,13 @@ def run_fabric(run: Run, folder: Path) -> None:
     run.meter.stop("load")
     engine = model._forward_module.engine
     run.bound(engine, activation_bytes(net.config))
-    for ids in tokens(fabric.global_rank).split(BATCH):
-        run.meter.start()
-        loss = model(input_ids=ids, labels=ids).loss
-        run.meter.stop("forward")
-        run.meter.start()
-        fabric.backward(loss)
-        run.meter.stop("backward")
-        run.losses.append(float(loss.detach()))
-        del loss
-        run.meter.start()
+    def step() -> None:
         fabric.clip_gradients(model, optimizer, max_norm=1.0)
         optimizer.step()
         optimizer.zero_grad()
-        run.meter.stop("step")
+
+    _steps(run, fabric.global_rank, lambda ids: model(input_ids=ids, labels=ids).loss,
+           fabric.backward, step)
     save(run, lambda where: engine.save_pretrained(where), "fabric")
     engine.close()
 
@@ -448,26 +446,9 @@ def run_trainer(run: Run, folder: Path) -> None:
     save(run, trainer.save_model, "trainer")
 
 
-WORDS = [f"w{i}" for i in range(1000)]
-
-
-def _tokenizer() -> Any:
-    """A word-level tokenizer built in code (TRL's trainers need one; no download)."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
-    core = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
-                                   unk_token="<unk>")
-
-
 def _words(n: int, length: int, seed: int) -> list[str]:
     g = torch.Generator().manual_seed(seed)
-    rows = torch.randint(0, len(WORDS), (n, length), generator=g)
+    rows = torch.randint(0, 1000, (n, length), generator=g)  # words the GPT-2 vocab holds
     return [" ".join(WORDS[i] for i in r) for r in rows.tolist()]
 
 
@@ -483,7 +464,7 @@ def run_sft(run: Run, folder: Path) -> None:
     run.meter.start(collect=True)
     model = load_model(run.pattern, folder, wrap_lora=False)
     trainer = with_zero(SFTTrainer)(
-        model=model, args=args, processing_class=_tokenizer(),
+        model=model, args=args, processing_class=tokenizer(),
         train_dataset=Dataset.from_dict({"text": _words(2 * STEPS, SEQ - 1, 0)}),
         peft_config=lora_config(run.pattern) if lora else None,
         zero_plugin=ZeroPlugin(stage=3))
@@ -510,7 +491,7 @@ def run_reference(run: Run, folder: Path) -> None:
     policy = load_model(run.pattern, folder)
     reference = from_pretrained(GPT2LMHeadModel, folder)
     trainer = with_zero(DPOTrainer)(model=policy, ref_model=reference, args=args,
-                                    processing_class=_tokenizer(), train_dataset=data,
+                                    processing_class=tokenizer(), train_dataset=data,
                                     zero_plugin=ZeroPlugin(stage=3))
     # chosen and rejected in one forward: twice the rows
     activations = activation_bytes(policy.config, batch=2 * BATCH)
