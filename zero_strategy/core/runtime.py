@@ -65,6 +65,7 @@ from .autograd import (
 from .devices import from_host
 from .params import ParamState
 from .progress import StepProgress
+from .routed import routed_blocks
 from .states import StateMachine, every
 from .units import Unit
 
@@ -195,6 +196,13 @@ class Runtime(StateMachine):
         self._pinned: set[int] = set()
         """Units kept whole until the end of backward: read outside their module's forward,
         or returned (a view of) their parameters from it."""
+        routed = routed_blocks(root)
+        self._routed = {u.index for u in units if u.module is not None and id(u.module) in routed}
+        """Routed blocks (mixture of experts): reduced once their module's backward ended,
+        whatever experts idle on this rank did not send (``_post_backward``)."""
+        self._reduced_early: set[int] = set()
+        """Routed blocks reduced so in this backward: a gradient of theirs arriving after
+        that would be lost, and is refused."""
         self._held: dict[int, int] = {}
         """Units ``engine.gathered_parameters()`` keeps whole (how many blocks hold each): no
         forward, backward or inference pass frees them until the block ends."""
@@ -434,8 +442,11 @@ class Runtime(StateMachine):
         trainable parameters got their gradients (the frozen weight computes the gradient of
         the module's input, as under a LoRA adapter). Where the inputs require grad, the end
         of that backward is observable: the unit is freed then, not at the end of the whole
-        backward (which would hold every frozen unit of a partial fine-tune at once)."""
-        if not (unit.has_frozen and torch.is_grad_enabled()):
+        backward (which would hold every frozen unit of a partial fine-tune at once). A
+        routed block is watched so too: an expert that got no token here sends no gradient,
+        so only the end of the block's backward says that every gradient it gets arrived."""
+        watched = unit.has_frozen or unit.index in self._routed
+        if not (watched and torch.is_grad_enabled()):
             return None
         inputs = register_post_backward(args, kwargs, lambda: self._post_backward(unit))
         if inputs is not None:
@@ -443,10 +454,19 @@ class Runtime(StateMachine):
         return inputs
 
     def _post_backward(self, unit: Unit) -> None:
-        """One call of ``unit``'s module has finished its backward."""
+        """One call of ``unit``'s module has finished its backward. After the last, a routed
+        block still waiting for an idle expert's gradients is reduced (those count as zeros,
+        as under DDP) instead of at the end of backward, where it held its full-size
+        gradient and every reduction after it in the launch order."""
         unit.pending_calls = max(unit.pending_calls - 1, 0)
-        if unit.pending_calls == 0 and unit.reduced_this_pass:
+        if unit.pending_calls:
+            return
+        if unit.reduced_this_pass:
             self.release(unit)
+        elif unit.index in self._routed and unit.index not in self._pinned:
+            if unit.expected:
+                self._reduced_early.add(unit.index)
+            self._finish_unit(unit)
 
     def recomputing(self) -> bool:
         """A module's forward inside backward: a checkpointed module recomputing."""
@@ -528,6 +548,7 @@ class Runtime(StateMachine):
         self._complete = set()
         self._backward_trace, self._traced, self._recomputed = [], set(), False
         self._plan_reached = -1
+        self._reduced_early = set()
         for unit in self.units:
             if unit.expected == 0:  # complete already: no gradient can arrive for it
                 unit.reduced_this_pass = True
@@ -577,6 +598,14 @@ class Runtime(StateMachine):
 
     def on_grad(self, unit: Unit, index: int, param: torch.Tensor) -> None:
         self._ensure_callback()
+        if unit.index in self._reduced_early:
+            raise RuntimeError(
+                f"a gradient of {unit.layout.slots[index].name!r} arrived after its routed "
+                f"block {unit.name!r} was reduced (a routed block is reduced once its "
+                "module's backward ends, whatever experts idle on this rank did not send): "
+                "the parameter is read outside the block's forward too, on a path backward "
+                "reaches later, and its gradient would be lost; keep the expert's use inside "
+                "its block's forward")
         grad = param.grad
         assert grad is not None
         unit.grad_store.accumulate(index, grad)
@@ -674,6 +703,7 @@ class Runtime(StateMachine):
             unit.reduced_this_pass = False
             unit.pending_calls = 0
         self._complete = set()
+        self._reduced_early = set()
         self._cursor = self._ready = 0
         self._agreed = None
         self._callback_queued = False
