@@ -63,10 +63,9 @@ def parts_worker(regime_name: str, out: Path, repeats: int) -> None:
     """Forward+backward of this rank's batch with every rank at once, and AdamW steps on
     the whole model, a 1/N shard and a 1/P shard; rank 0 writes the medians of the slowest
     rank."""
+    import compare
     import torch
     import torch.distributed as dist
-
-    import compare
 
     dist.init_process_group("gloo")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -86,12 +85,12 @@ def parts_worker(regime_name: str, out: Path, repeats: int) -> None:
         p.grad = torch.full((n,), 1e-3)
         return torch.optim.AdamW([p], **compare.ADAMW).step
 
-    timed = {"fwd_bwd_s": _timed(fwd_bwd, repeats)}
+    timed = {"fwd_bwd_s": _timed(fwd_bwd, repeats), "codec_s": _codec(numel, repeats)}
     model.zero_grad(set_to_none=True)
     for key, n in (("adamw_full_s", numel), ("adamw_world_s", -(-numel // world)),
                    ("adamw_local_s", -(-numel // local))):
         step = adamw(n)
-        timed[key] = _timed(lambda _: step(), repeats)
+        timed[key] = _timed(lambda _, step=step: step(), repeats)
         del step
     ranks: list[Any] = [None] * world
     dist.all_gather_object(ranks, timed)
@@ -102,6 +101,26 @@ def parts_worker(regime_name: str, out: Path, repeats: int) -> None:
         out.write_text(json.dumps(record, indent=1) + "\n")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _codec(numel: int, repeats: int) -> list[float]:
+    """Seconds of one int8 encode or decode (their mean) over the model's element count."""
+    import torch
+
+    from zero_strategy.comm import int8
+
+    values = torch.randn(numel)
+    blocks = int8.blocks(numel)
+    payload = torch.empty(blocks * int8.BLOCK, dtype=torch.int8)
+    scales = torch.empty(blocks)
+    scratch = torch.empty(int8.scratch_numel(numel, values.device))
+    out = torch.empty(numel)
+
+    def both(_: int) -> None:
+        int8.encode(values, payload, scales, scratch)
+        int8.decode(payload, scales, out)
+
+    return [t / 2 for t in _timed(both, repeats)]
 
 
 def _timed(fn: Any, repeats: int) -> list[float]:

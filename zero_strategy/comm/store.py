@@ -27,16 +27,17 @@ class StoreSilent(TimeoutError):
     will)."""
 
 
-_SILENT: set[int] = set()
-"""Stores (by ``id``) that once did not answer: a call stuck on one holds its client's lock,
-so every later call would queue behind it; they are not called again."""
+_SILENT: list[Any] = []
+"""Stores that once did not answer: a call stuck on one holds its client's lock, so every
+later call would queue behind it; they are not called again (held here, so that no other
+store takes the identity of one dropped)."""
 
 
 def bounded_call(store: Any, call: Callable[[Any], _T], seconds: float) -> _T:
     """``call(store)``, waited for at most ``seconds`` on a daemon thread, which is left
     behind if it does not return (the process is on its way to raising by then). Raises
     ``StoreSilent``, or what the call raised."""
-    if id(store) in _SILENT:
+    if any(store is silent for silent in _SILENT):
         raise StoreSilent("the rendezvous store did not answer before")
     result: list[Any] = []
     error: list[BaseException] = []
@@ -51,7 +52,7 @@ def bounded_call(store: Any, call: Callable[[Any], _T], seconds: float) -> _T:
     thread.start()
     thread.join(seconds)
     if thread.is_alive():
-        _SILENT.add(id(store))
+        _SILENT.append(store)
         raise StoreSilent(f"the rendezvous store did not answer within {seconds:g} s")
     if error:
         raise error[0]
@@ -71,8 +72,8 @@ class Ledger:
         self.lost: str | None = None
         """Why the last report could not be left or cleared (None: it was)."""
 
-    def _call(self, call: Callable[[Any], _T], seconds: float = REPORT_BOUND_S) -> _T:
-        return bounded_call(self._store(), call, seconds)
+    def _call(self, call: Callable[[Any], _T], seconds: float | None = None) -> _T:
+        return bounded_call(self._store(), call, REPORT_BOUND_S if seconds is None else seconds)
 
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/failed/{rank}"
@@ -136,4 +137,4 @@ class Ledger:
             store.wait(keys, timedelta(seconds=seconds))
             return [int(store.get(k)) for k in keys]
 
-        return self._call(exchange, seconds + REPORT_BOUND_S)
+        return self._call(exchange, seconds + REPORT_BOUND_S)  # the store's wait, then ours

@@ -2,6 +2,7 @@
 a link's rate and a measured or given compute rate (``traffic.py``: the collectives and
 their bytes; ``steptime.py``: the step's time)."""
 
+from .steptime import OVERLAP, Rates, StepPrediction, predict, time_step
 from .traffic import (
     INT8_BYTES,
     Collective,
@@ -17,6 +18,11 @@ from .traffic import (
 
 __all__ = [
     "INT8_BYTES",
+    "OVERLAP",
+    "Rates",
+    "StepPrediction",
+    "predict",
+    "time_step",
     "Collective",
     "Layout",
     "ModelUnits",
