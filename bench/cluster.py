@@ -246,20 +246,26 @@ class Cluster:
         interface counters (the same bytes ``counters`` reports for a run)."""
         before = self.counters()
         start = time.perf_counter()
-        receivers = [self._spawn(b, [sys.executable, __file__, "--receive", self.addr(b)])
-                     for b in (0, 1)]
-        time.sleep(1.0)  # listening
-        senders = [self._spawn(a, [sys.executable, __file__, "--send", self.addr(b),
-                                   str(seconds)]) for a, b in ((0, 1), (1, 0))]
-        for proc in senders + receivers:
-            if proc.wait(timeout=seconds + 60):
-                raise RuntimeError(f"the rate transfer failed: {proc.args}")
+        self.transfer([(0, 1), (1, 0)], seconds)
         after = self.counters()
         sent = [after[k]["from_node"] - before[k]["from_node"] for k in (0, 1)]
         took = time.perf_counter() - start - 1.0
         return {"bytes_per_s": min(sent) / seconds, "seconds": seconds,
                 "sent_bytes": sent, "wall_s": took, "rate": self.rate,
                 "nominal_bytes_per_s": rate_bits(self.rate) / 8}
+
+    def transfer(self, pairs: Sequence[tuple[int, int]], seconds: float) -> None:
+        """Raw TCP transfers, all at once for ``seconds``: from node a to node b for each
+        ``(a, b)`` of ``pairs`` (each to its own port)."""
+        ports = [TRANSFER_PORT - i for i in range(len(pairs))]
+        receivers = [self._spawn(b, [sys.executable, __file__, "--receive", self.addr(b),
+                                     str(port)]) for (_, b), port in zip(pairs, ports)]
+        time.sleep(1.0)  # listening
+        senders = [self._spawn(a, [sys.executable, __file__, "--send", self.addr(b), str(port),
+                                   str(seconds)]) for (a, b), port in zip(pairs, ports)]
+        for proc in senders + receivers:
+            if proc.wait(timeout=seconds + 60):
+                raise RuntimeError(f"the transfer failed: {proc.args}")
 
     def _spawn(self, node: int, command: list[str]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(["ip", "netns", "exec", self.ns(node), *command],
@@ -395,8 +401,8 @@ def stopped_by_signals() -> Iterator[None]:
 
 # -- the raw transfer (run inside a node by measure_rate) ----------------------------------
 
-def _receive(addr: str) -> None:
-    with socket.create_server((addr, TRANSFER_PORT)) as server:
+def _receive(addr: str, port: int) -> None:
+    with socket.create_server((addr, port)) as server:
         server.settimeout(30)
         conn, _ = server.accept()
         with conn:
@@ -404,16 +410,16 @@ def _receive(addr: str) -> None:
                 pass
 
 
-def _send(addr: str, seconds: float) -> None:
+def _send(addr: str, port: int, seconds: float) -> None:
     buf = b"\0" * (1 << 20)
     for _ in range(50):  # the peer's receiver may not listen yet
         try:
-            conn = socket.create_connection((addr, TRANSFER_PORT), timeout=30)
+            conn = socket.create_connection((addr, port), timeout=30)
             break
         except ConnectionRefusedError:
             time.sleep(0.1)
     else:
-        raise RuntimeError(f"nothing listens on {addr}:{TRANSFER_PORT}")
+        raise RuntimeError(f"nothing listens on {addr}:{port}")
     end = time.perf_counter() + seconds
     with conn:
         while time.perf_counter() < end:
@@ -445,8 +451,8 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--check", action="store_true", help="say whether a cluster can be built")
     p.add_argument("--down", action="store_true",
                    help="remove the namespaces a killed run of this prefix left")
-    p.add_argument("--receive", help=argparse.SUPPRESS)
-    p.add_argument("--send", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--receive", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--send", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not (args.check or args.down or args.receive or args.send or command):
         p.error("give the training command after --, e.g. -- bench/compare.py --system "
@@ -457,10 +463,10 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     args, command = parse(argv)
     if args.receive:
-        _receive(args.receive)
+        _receive(args.receive[0], int(args.receive[1]))
         return 0
     if args.send:
-        _send(args.send[0], float(args.send[1]))
+        _send(args.send[0], int(args.send[1]), float(args.send[2]))
         return 0
     if args.check:
         why = missing_requirements()
