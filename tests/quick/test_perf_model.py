@@ -138,3 +138,38 @@ def test_hybrid_sharding_crosses_hosts_as_the_fsdp_paper_says(hosts: int, gpus: 
                                            backend="nccl"), layout)
     per_gpu = node_bytes(collectives, layout) / gpus
     assert within(per_gpu, 2 * m * (world - 1) / (gpus * world))
+
+
+def test_the_link_command_prints_the_models_prediction_for_every_variant(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``zero-strategy link`` prints, per variant, what ``predict_variants`` computes."""
+    from zero_strategy import cli
+    from zero_strategy.perf.variants import predict_variants
+
+    args = ["link", "--params", "16.9M", "--nodes", "2", "--per-node", "2", "--link-gbps",
+            "1", "--compute-s", "0.71", "--optimizer-s", "0.055", "--backend", "gloo"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    rates = Rates(1e9 / 8 * 0.94, 0.71, 0.055)
+    rows = predict_variants(2, 2, rates, params=16_900_000, backend="gloo")
+    assert len(rows) == 10  # 7 flat variants, 3 with a node as the shard group
+    for variant, p in rows:
+        assert (f"{variant.label:<62}{p.link_bytes / 1e6:>9.1f}{p.link_s:>9.3f}"
+                f"{p.step_s:>9.3f}{p.floor_s:>9.3f}{p.step_s / p.floor_s:>9.2f}") in out
+    # the hybrid rows send a third of stage 3's bytes across (one all-reduce of the shards)
+    by_label = {v.label: p for v, p in rows}
+    hybrid = by_label["stage 3, shard_group_size = a node"].link_bytes
+    assert hybrid == pytest.approx(by_label["stage 3"].link_bytes / 3)
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    ([], "--params is required"),
+    (["--params", "1B", "--tflops", "100"], "--tflops and --tokens"),
+])
+def test_the_link_command_refuses_what_it_cannot_predict(
+        capsys: pytest.CaptureFixture[str], extra: list[str], says: str) -> None:
+    from zero_strategy import cli
+
+    assert cli.main(["link", "--nodes", "2", "--per-node", "1", "--link-gbps", "1",
+                     *extra]) == 2
+    assert says in capsys.readouterr().err
