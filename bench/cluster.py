@@ -314,14 +314,7 @@ class Cluster:
         never comes), then every node still running is stopped and reported as None, as
         at ``timeout``."""
         procs = self._procs
-        deadline, failed_at = time.monotonic() + timeout, None
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
-                failed_at = now
-            if now > deadline or (failed_at is not None and now > failed_at + grace):
-                break
-            time.sleep(0.2)
+        wait_for(procs, time.monotonic() + timeout, grace)
         codes = [p.poll() for p in procs]
         self.stop()
         return codes
@@ -344,6 +337,21 @@ class Cluster:
                 "burst": self.burst, "latency_ms": self.latency_ms,
                 "addresses": [self.addr(k) for k in range(self.nodes)],
                 "namespaces": self.namespaces()}
+
+
+def wait_for(procs: Sequence[subprocess.Popen[bytes]], deadline: float, grace: float) -> None:
+    """Until every process has exited, or ``deadline`` (``time.monotonic()``) passed, or
+    ``grace`` seconds went by after the first one failed (a node that fails makes the
+    others fail or wait: its peers' collectives break, or an agent waits at the
+    rendezvous for a node that never comes)."""
+    failed_at = None
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now > failed_at + grace):
+            return
+        time.sleep(0.2)
 
 
 def _signal(pid: int, sig: int, group: bool = True) -> None:
