@@ -49,7 +49,7 @@ REGIMES = ("throughput", "memory")
 # and ours. Hybrid systems need more than one process per node.
 SYSTEMS = {
     "2x1": ["ddp", "fsdp2_zero3", "ds_zero3", "ds_zero3_qwz", "ds_zero3_qgz",
-            "zs_zero1", "zs_zero2", "zs_zero3", "zs_zero3_int8"],
+            "zs_zero1", "zs_zero2", "zs_zero3", "zs_zero3_unchecked", "zs_zero3_int8"],
     "2x2": ["ddp", "fsdp2_zero3", "fsdp2_hsdp", "ds_zero3", "ds_zero3_hpz",
             "zs_zero1", "zs_zero2", "zs_zero3", "zs_zero3_int8", "zs_zero3_hpz",
             "zs_zero3_hpz_int8"],

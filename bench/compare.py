@@ -74,16 +74,18 @@ SYSTEMS = {
     "ds_zero3_hpz": 3, "ds_zero3_qwz": 3, "ds_zero3_qgz": 3,
     "zs_zero0": 0, "zs_zero1": 1, "zs_zero2": 2, "zs_zero3": 3,
     "zs_zero2_offload": 2, "zs_zero3_offload": 3,
-    "zs_zero3_int8": 3, "zs_zero3_hpz": 3, "zs_zero3_hpz_int8": 3,
+    "zs_zero3_int8": 3, "zs_zero3_hpz": 3, "zs_zero3_hpz_int8": 3, "zs_zero3_unchecked": 3,
 }
 # Systems across nodes (bench/cluster_bench.py): hybrid ones shard within a node of
 # LOCAL_WORLD_SIZE processes and replicate across nodes (FSDP2's HSDP, DeepSpeed's and our
-# hierarchical partitioning); the others are ZeRO++'s int8 weights (qwz) and gradients (qgz).
+# hierarchical partitioning); the others are ZeRO++'s int8 weights (qwz) and gradients (qgz),
+# and ours without the gather-order check (what the check costs across a link).
 HYBRID = ("fsdp2_hsdp", "ds_zero3_hpz", "zs_zero3_hpz", "zs_zero3_hpz_int8")
 DS_OPTIONS = {"ds_zero3_hpz": {"zero_hpz_partition_size": "local"},
               "ds_zero3_qwz": {"zero_quantized_weights": True},
               "ds_zero3_qgz": {"zero_quantized_gradients": True}}
 ZS_OPTIONS = {"zs_zero3_int8": {"quantize_weights": "int8", "quantize_gradients": "int8"},
+              "zs_zero3_unchecked": {"check_gather_order": False},
               "zs_zero3_hpz": {"shard_group_size": "local"},
               "zs_zero3_hpz_int8": {"shard_group_size": "local", "quantize_weights": "int8",
                                     "quantize_gradients": "int8"}}
