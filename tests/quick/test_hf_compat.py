@@ -22,7 +22,7 @@ from torch import nn  # noqa: E402
 
 from zero_strategy.integrations.accelerate import accelerator as zero_accelerator  # noqa: E402
 from zero_strategy.integrations.accelerate import plugin as zero_plugin  # noqa: E402
-from zero_strategy.integrations.hf import compat  # noqa: E402
+from zero_strategy import compat  # noqa: E402
 from zero_strategy.integrations.hf import trainer as zero_trainer  # noqa: E402
 
 HF = Path(compat.__file__).parent

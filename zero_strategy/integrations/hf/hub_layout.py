@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ...checkpoint.export import Group, Output
-from . import compat
+from ... import compat
 
 
 class _Traced(torch.Tensor):

@@ -43,7 +43,7 @@ from ...checkpoint.pretrained import (
 from ...comm.collectives import default_device, group_backend
 from ...core.materialize import meta_init, set_module_init
 from .. import require
-from . import compat
+from ... import compat
 from .conversions import planner
 
 _HUB = "downloading from the Hub: pass a local folder (huggingface_hub.snapshot_download)"

@@ -52,7 +52,8 @@ from ..accelerate import (
     ZeroPlugin,
     has_accelerator_device,
 )
-from . import compat, export, trl
+from ... import compat
+from . import export, trl
 
 TRAINING_ARGS_FILE = "training_args.bin"
 """Trainer's name for the pickled ``TrainingArguments`` beside a saved model."""
