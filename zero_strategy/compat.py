@@ -38,6 +38,10 @@ class Function:
     """The parameters we pass by name."""
     passes_through: bool = False
     """An override taking ``*args, **kwargs`` and passing them on: only the name matters."""
+    since: str = ""
+    until: str = ""
+    """The releases of the owner's package that have it, ``since`` included, ``until`` not,
+    where they lie inside the range we support: outside them the code never meets it."""
     why: str
 
 
@@ -49,6 +53,9 @@ class Attribute:
     owner: str
     name: str
     on_class: bool = True
+    since: str = ""
+    until: str = ""
+    """As ``Function``'s."""
     why: str
 
 
@@ -263,7 +270,11 @@ TRAINER_ACCELERATOR = Attribute(
 
 FSDP_MANAGED = Attribute(
     owner="transformers.distributed.fsdp", name="_is_fsdp_managed_module", on_class=False,
+    since="5.14.0",
     why="set on the model at stage 3 with several ranks: generate() then runs synced_gpus")
+FSDP_MANAGED_BEFORE = Attribute(
+    owner="transformers.integrations.fsdp", name="_is_fsdp_managed_module", on_class=False,
+    until="5.14.0", why="the same flag, read from here before transformers 5.14")
 
 # ---------------------------------------------------------------- accelerate.Accelerator
 ACCELERATOR_MODELS = Attribute(owner=ACCELERATOR, name="_models", on_class=False,
@@ -329,7 +340,7 @@ PRETRAINED_NAMES = (
               why="a renaming among the conversion mapping's transforms"),
     Function(owner="transformers.core_model_loading:Conv3dToLinear",
              name="_get_target_pattern",
-             params=("input_dict", "source_patterns", "target_patterns"),
+             params=("input_dict", "source_patterns", "target_patterns"), since="5.6.0",
              why="the target name a Conv3dToLinear (and its reverse) gives, replayed by the "
                  "streamed conversions"),
     Attribute(owner="transformers.core_model_loading", name="WeightConverter",
@@ -355,7 +366,7 @@ SAVE_NAMES = (IGNORED_ON_SAVE, TIED_WEIGHTS)
 ALL: tuple[Function | Attribute | Module, ...] = (
     *TORCH, *LIGHTNING, *PEFT,
     *TRAINER_OVERRIDES, *TRAINER_HOOKS, *TRAINER_CALLS, TRAINER_ACCELERATOR, FSDP_MANAGED,
-    ACCELERATOR_MODELS, ACCELERATOR_OPTIMIZERS, ACCELERATOR_SCHEDULERS,
+    FSDP_MANAGED_BEFORE,    ACCELERATOR_MODELS, ACCELERATOR_OPTIMIZERS, ACCELERATOR_SCHEDULERS,
     ACCELERATOR_DATALOADERS, *ACCELERATE_ADAPTER, CHECKPOINTING_LAYER, CHECKPOINTING_FUNCTION,
     *PRETRAINED_NAMES, *SAVE_NAMES,
 )
