@@ -469,9 +469,11 @@ class Communicator:
         work reports it only once waited for), so a caller can read it without blocking."""
         self._check("all_gather", flat_output, shard)
         self._count("all_gather", flat_output.nbytes * self._fraction())
+        # Not kept past its use (``_queued``): its caller waits for it long before a script
+        # ends, and a kept one was seen to keep a step's saved activation (an offloaded
+        # input's open file) alive after the step (tests/quick/test_step_faults.py).
         with self._starting("all_gather"):
-            work = self._queued(_all_gather(flat_output, shard, group=self.group,
-                                            async_op=True), flat_output, shard)
+            work = _all_gather(flat_output, shard, group=self.group, async_op=True)
         return _Pending(self, work, "all_gather")
 
     def global_ranks(self) -> list[int]:
