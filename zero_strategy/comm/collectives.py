@@ -57,9 +57,11 @@ class CollectiveTimeout(CollectiveError):
 
 
 _INSTANCES: Counter[tuple[int, ...]] = Counter()
-_SIDE_GROUPS: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
-"""Side channels (``Communicator.side_channel``) by (the default group, ranks): made once per
-process group, however many engines are built on it."""
+_SIDE_GROUPS: dict[tuple[int, ...], tuple[Any, dist.ProcessGroup]] = {}
+"""Side channels (``Communicator.side_channel``) by ranks, with the default group they were
+made under: reused while that group is the default (however many engines are built on it),
+made anew under a new one (a Hydra sweep's next job: the old group is destroyed, and a new
+one may even reuse its address, so the object itself is held and compared)."""
 """Communicators built so far in this process, by their ranks."""
 
 _KEPT_WORKS: deque[Any] = deque(maxlen=8)
@@ -470,11 +472,13 @@ class Communicator:
         behind this group's bulk transfers: a few bytes sent on a connection that carries
         megabytes of gathered rows arrive only after them. Every rank calls it, in one
         order (engines are built on every rank alike)."""
-        key = (id(dist.distributed_c10d._get_default_group()), tuple(self._peers))
-        group = _SIDE_GROUPS.get(key)
-        if group is None:
+        default = dist.distributed_c10d._get_default_group()
+        made = _SIDE_GROUPS.get(tuple(self._peers))
+        if made is not None and made[0] is default:
+            group = made[1]
+        else:
             group = self._subgroup([list(range(self.world_size))])
-            _SIDE_GROUPS[key] = group
+            _SIDE_GROUPS[tuple(self._peers)] = (default, group)
         side = Communicator(group, timeout=self.timeout_s, step=self._step)
         side.use_device(self.device)
         side.bytes_sent = self.bytes_sent  # the same ranks' traffic: counted as theirs
@@ -882,11 +886,15 @@ class Communicator:
                 t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
-    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
-        """Every rank's ``values`` (a blocking round trip of 8 bytes per value and rank)."""
+    def all_gather_ints(self, values: list[int], counted: bool = True) -> list[list[int]]:
+        """Every rank's ``values`` (a blocking round trip of 8 bytes per value and rank).
+        ``counted=False``: left out of ``bytes_sent`` (metadata outside ZeRO's traffic)."""
         mine = torch.tensor(values, dtype=torch.int64, device=self.device)
         out = torch.empty(self.world_size * len(values), dtype=torch.int64, device=self.device)
+        before = self.bytes_sent["all_gather"]
         self.all_gather(out, mine, async_op=True).wait(host=True)
+        if not counted:
+            self.bytes_sent["all_gather"] = before
         return out.view(self.world_size, -1).tolist()
 
     def all_gather_object(self, obj: object) -> list[object]:
