@@ -21,7 +21,7 @@ from tests.support.routed_models import (
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.plan import make_plan
 from zero_strategy.core.routed import is_routed_block, routed_blocks
-from zero_strategy.core.units import module_specs, plan_specs
+from zero_strategy.core.units import plan_specs
 
 SEEDS = range(40)
 
@@ -75,18 +75,58 @@ def _dense_models() -> list[torch.nn.Module]:
     return [gpt2, llama]
 
 
+# The split written out from the two configs above (n_embd/hidden 24, 3 layers, vocab 64), by the
+# rule in docs/architecture.md: post-order, a callable module whose unclaimed parameters reach
+# unit_numel is a unit, the root takes the rest. Unit name -> its parameters' total numel.
+# GPT-2 (Conv1D weights in x out, plus bias): ln 2*24 = 48; c_attn 24*72+72 = 1800; attn c_proj
+# 24*24+24 = 600; c_fc 24*96+96 = 2400; mlp c_proj 96*24+24 = 2328; wte 64*24 = 1536 (lm_head
+# is tied to it, so its owner is their common ancestor, the root); wpe 3*24 = 72.
+# Llama (no biases): q/k/v/o 24*24 = 576; gate/up/down 24*48 = 1152; RMSNorm 24; embed and the
+# untied lm_head 64*24 = 1536 each.
+_GPT2_BLOCK = {"ln_1": 48, "attn.c_attn": 1800, "attn.c_proj": 600, "ln_2": 48,
+               "mlp.c_fc": 2400, "mlp.c_proj": 2328}
+_LLAMA_BLOCK = {"self_attn.q_proj": 576, "self_attn.k_proj": 576, "self_attn.v_proj": 576,
+                "self_attn.o_proj": 576, "mlp.gate_proj": 1152, "mlp.up_proj": 1152,
+                "mlp.down_proj": 1152, "input_layernorm": 24, "post_attention_layernorm": 24}
+
+
+def _layers(prefix: str, block: dict[str, int]) -> dict[str, int]:
+    return {f"{prefix}.{i}.{name}": n for i in range(3) for name, n in block.items()}
+
+
+def _expected_units(model: str, unit_numel: int) -> dict[str, int]:
+    gpt2 = model == "GPT2LMHeadModel"
+    if unit_numel == 10**9:  # nothing reaches it: the root holds every parameter
+        if gpt2:
+            return {"": 1536 + 72 + 3 * sum(_GPT2_BLOCK.values()) + 48}  # 23,328
+        return {"": 2 * 1536 + 3 * sum(_LLAMA_BLOCK.values()) + 24}  # 20,520
+    if unit_numel == 1:  # every module that registers a parameter, in post-order
+        if gpt2:
+            return {"transformer.wpe": 72, **_layers("transformer.h", _GPT2_BLOCK),
+                    "transformer.ln_f": 48, "": 1536}
+        return {"model.embed_tokens": 1536, **_layers("model.layers", _LLAMA_BLOCK),
+                "model.norm": 24, "lm_head": 1536}
+    assert unit_numel == 2000
+    if gpt2:
+        # attn (1800 + 600) and each mlp Linear reach 2000; a block's two norms (96) do not,
+        # nor does the transformer's rest: 1536 + 72 + 3*96 + 48 = 1944, left to the root.
+        per_layer = {"attn": 2400, "mlp.c_fc": 2400, "mlp.c_proj": 2328}
+        return {**_layers("transformer.h", per_layer), "": 1944}
+    # self_attn 4*576 = 2304 and mlp 3*1152 = 3456 reach it; the rest, 2*1536 + 3*48 + 24 = 3240,
+    # is left to the root.
+    return {**_layers("model.layers", {"self_attn": 2304, "mlp": 3456}), "": 3240}
+
+
 @pytest.mark.parametrize("unit_numel", [1, 2000, 10**9])
 def test_dense_transformers_unit_specs_are_unchanged(unit_numel: int) -> None:
     for model in _dense_models():
         assert routed_blocks(model) == frozenset()
         plan = make_plan(ZeroConfig(stage=3, unit_numel=unit_numel,
                                     param_persistence_threshold=0), world_size=2)
-        managed = list(model.named_parameters())
-        with_recognition = plan_specs(model, managed, plan)
-        # What the split was before recognition: the same walk with no leaf modules.
-        before = module_specs(model, managed, unit_numel, plan.layout.main)
-        got = [(s.name, [n for n, _ in s.params]) for s in with_recognition]
-        assert got == [(s.name, [n for n, _ in s.params]) for s in before], type(model)
+        specs = plan_specs(model, list(model.named_parameters()), plan)
+        got = {s.name: sum(p.numel() for _, p in s.params) for s in specs}
+        expected = _expected_units(type(model).__name__, unit_numel)
+        assert list(got.items()) == list(expected.items()), (type(model).__name__, got)
 
 
 @pytest.fixture(scope="module")
