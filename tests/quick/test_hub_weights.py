@@ -25,6 +25,7 @@ def test_receivers_load_the_trained_weights(name: str, size: int) -> None:
             assert r["received"] == 0, where
             continue
         assert r["names_equal"], where  # exactly the keys plain save_pretrained writes
+        assert r["values_differ"] == [], where  # and exactly its values
         if "loaded_differ" in r:
             assert r["loaded_differ"] == [] and r["unexpected"] == [], where
             # what save_pretrained leaves out: the tied head, re-tied by the model

@@ -139,8 +139,9 @@ register("moe_indexed_stage1", save_parity, stage=1, kind="moe", max_shard_size=
 
 
 def hub_weights(stage: int, kind: str, bucket_bytes: int, to: int | str) -> dict[str, Any]:
-    """engine.hub_weight_buckets into a plain model with load_state_dict(strict=False):
-    the receivers get the hub's tensors, each bucket within its size, the others nothing."""
+    """engine.hub_weight_buckets: the receivers get the tensors plain save_pretrained writes,
+    bit for bit, each bucket within its size (and, for GPT-2, they load straight back with
+    load_state_dict(strict=False)); the others get nothing."""
     model = _gpt2() if kind == "gpt2" else _moe()
     engine = _trained(model, stage)
     full = engine.full_state_dict()
@@ -152,9 +153,14 @@ def hub_weights(stage: int, kind: str, bucket_bytes: int, to: int | str) -> dict
             over.append(sorted(k for k, _ in bucket))
         got.update({k: t.clone() for k, t in bucket})
     plain_names = set(_reference_names(type(model), engine))
+    theirs = _shared_dir() / "theirs"
+    _reference(type(model), engine, theirs, "50GB")
     mine = to == "all" or dist.get_rank() == to
     result: dict[str, Any] = {"received": len(got), "mine": mine}
     if mine:
+        # The values, in the hub's layout, against what plain save_pretrained writes for the
+        # same masters (for the MoE: its fused experts split back by transformers itself).
+        result["values_differ"] = _differ(got, _files(theirs))
         plain = type(model)(engine.module.config)
         if kind == "gpt2":  # the hub layout is the module's: load it straight back
             missing, unexpected = plain.load_state_dict(got, strict=False)
