@@ -5,47 +5,20 @@ An override of a private method that transformers renames is never called again,
 fails: the Trainer would save one rank's shard as the model. So each name we rely on is listed
 here, declaratively, and ``tests/quick/test_hf_compat.py`` asserts that each exists in the
 installed versions with a signature we can call (our parameters by name, in our order; any
-others optional); it also fails on a private override, or a private name of theirs used in
-``integrations/hf/``, that is missing from these lists. The adapters read the names they
-swap, set or look up from here, so the list is what the code uses, not a copy of it.
+others optional); it also fails on a private override missing from these lists, and
+``tests/quick/test_private_names.py`` on a private name of theirs used anywhere in
+``zero_strategy/`` that no list has. The adapters read the names they swap, set or look up
+from here, so the list is what the code uses, not a copy of it. The entry types, and torch's,
+Lightning's and PEFT's names, are in ``zero_strategy/compat.py``: the two make the registry.
 
 Importing this module imports no framework: names are strings, resolved on demand.
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
-from dataclasses import dataclass
-from typing import Any
+from ...compat import Attribute, Entry, Function, loaded, owner_of
 
-
-@dataclass(frozen=True, kw_only=True)
-class Function:
-    """A method or function of theirs we override, call, or receive calls of."""
-
-    owner: str
-    """``"package.module"`` (a function) or ``"package.module:Class"`` (a method)."""
-    name: str
-    params: tuple[str, ...] = ()
-    """The parameters we pass positionally (or receive, for an override), in order, without
-    ``self``."""
-    keywords: tuple[str, ...] = ()
-    """The parameters we pass by name."""
-    passes_through: bool = False
-    """An override taking ``*args, **kwargs`` and passing them on: only the name matters."""
-    why: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class Attribute:
-    """An attribute of theirs: a module or class attribute (``on_class``), or one their code
-    sets or reads on instances, which is then found in the owner module's source."""
-
-    owner: str
-    name: str
-    on_class: bool = True
-    why: str
+__all__ = ["Attribute", "Entry", "Function", "loaded", "owner_of"]
 
 
 TRAINER = "transformers.trainer:Trainer"
@@ -193,19 +166,3 @@ ALL: tuple[Function | Attribute, ...] = (
     *PRETRAINED_NAMES, *SAVE_NAMES,
 )
 """Every name above, for the test."""
-
-
-def owner_of(entry: Function | Attribute) -> Any:
-    """The module or class ``entry`` belongs to, importing its module."""
-    module_name, _, class_name = entry.owner.partition(":")
-    module = importlib.import_module(module_name)
-    return getattr(module, class_name) if class_name else module
-
-
-def loaded(entry: Attribute) -> Any:
-    """``entry``'s value if its module is loaded already, else None (never imports it)."""
-    module_name, _, class_name = entry.owner.partition(":")
-    owner = sys.modules.get(module_name)
-    if owner is not None and class_name:
-        owner = getattr(owner, class_name, None)
-    return getattr(owner, entry.name, None)
