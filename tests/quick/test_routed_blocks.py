@@ -76,8 +76,8 @@ def _dense_models() -> list[torch.nn.Module]:
 
 
 # The split written out from the two configs above (n_embd/hidden 24, 3 layers, vocab 64), by the
-# rule in docs/architecture.md: post-order, a callable module whose unclaimed parameters reach
-# unit_numel is a unit, the root takes the rest. Unit name -> its parameters' total numel.
+# rule core/units.py states (module_specs): post-order, a callable module whose unclaimed
+# parameters reach unit_numel is a unit, the root takes the rest. Unit name -> its numel.
 # GPT-2 (Conv1D weights in x out, plus bias): ln 2*24 = 48; c_attn 24*72+72 = 1800; attn c_proj
 # 24*24+24 = 600; c_fc 24*96+96 = 2400; mlp c_proj 96*24+24 = 2328; wte 64*24 = 1536 (lm_head
 # is tied to it, so its owner is their common ancestor, the root); wpe 3*24 = 72.
