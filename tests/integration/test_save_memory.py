@@ -38,12 +38,10 @@ def test_trainer_checkpoint_weights_load_in_plain_transformers(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     """A stage-3 ZeroTrainer run (2 processes): ``checkpoint-2/model.safetensors``, written
     streamed from the shards and read by plain ``from_pretrained``, equals plain Trainer's
-    (DDP, the same arguments, seeds and data) ``checkpoint-2`` within the fp32 reordering
-    bound of tests/support/trainer_checks.py (RTOL: a few ulps per reordered sum over two
-    AdamW steps), with GPT-2's key bias, whose true gradient is zero, checked apart. The
-    sharded copy saved beside it (``zero_checkpoint``, what a resume reads) then holds the
-    very same masters, bit for bit. The final ``save_model`` is compared with plain Trainer's
-    in tests/quick/test_transformers.py."""
+    (DDP) ``checkpoint-2`` after the same two steps, within the fp32 bound argued in
+    tests/support/trainer_checks.py; and the sharded copy saved beside it
+    (``zero_checkpoint``, consolidated) holds the same masters, bit for bit. The final
+    ``save_model`` is compared with plain Trainer's in tests/quick/test_transformers.py."""
     import zero_strategy as zs
     from tests.support import trainer_checks as C
 

@@ -1,6 +1,7 @@
 """The package's imports form no cycle, counting those under ``TYPE_CHECKING`` and inside
 functions (a cycle closed there still ties the layers together), and the layers below the
-engine (``checkpoint/``, ``memory/``, the ``EngineView`` protocol) never import it."""
+engine (``checkpoint/``, ``memory/``, ``perf/``, the ``EngineView`` protocol) never import
+it."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def test_the_package_has_no_import_cycle() -> None:
 
 
 @pytest.mark.parametrize("below", ["zero_strategy.checkpoint", "zero_strategy.memory",
-                                   "zero_strategy.engine_view"])
+                                   "zero_strategy.perf", "zero_strategy.engine_view"])
 def test_the_layers_below_the_engine_never_import_it(below: str) -> None:
     offenders = {f"{name} imports {target}" for name, targets in _graph().items()
                  if name == below or name.startswith(below + ".")

@@ -63,54 +63,61 @@ def test_bf16_mixed_tracks_ddp_autocast(world: dict, name: str) -> None:
             assert a == pytest.approx(b, rel=0.02)
 
 
-# Bytes per parameter (weights, gradients, optimizer), written out from the precision rules
-# rather than read off estimate_memory: bf16 weights take 2 bytes and fp32 ones 4; gradients
-# are reduced in fp32 (4) or in the compute dtype; Adam keeps 2 states in the master dtype, plus
-# an fp32 master (4) where the weights are not it. bf16-true keeps bf16 states and no master
-# (2 x 2). On the CPU offloading moves nothing and keeps no second copy: the offloaded layouts
-# cost what the same precision costs without offload.
-PER_PARAM = {
-    "bf16_fp32": (2, 4, 4 + 2 * 4), "bf16_compute": (2, 2, 4 + 2 * 4),
-    "autocast": (4, 4, 2 * 4), "bf16_true": (2, 2, 2 * 2),
-    "offload_stage2": (4, 4, 2 * 4),  # 32-true
-    "offload_stage3": (2, 2, 4 + 2 * 4),  # bf16-mixed, gradients in bf16
-}
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("reduce_dtype", ["fp32", "compute"])
+def test_mixed_precision_memory_formula(world: dict, stage: int, reduce_dtype: str) -> None:
+    for r in check(world[f"memory_bf16_{reduce_dtype}_stage{stage}"]):
+        est = r["estimate"]
+        assert (est["param_bytes_per_param"], est["optimizer_bytes_per_param"]) == (2, 12)
+        assert est["grad_bytes_per_param"] == (4 if reduce_dtype == "fp32" else 2)
+        _assert_matches_formula(r, stage, (2, est["grad_bytes_per_param"], 12))
 
 
-def _per_param(name: str) -> tuple[int, int, int]:
-    key = name.removeprefix("memory_")
-    return PER_PARAM.get(key) or PER_PARAM[key.rsplit("_stage", 1)[0]]
+# Bytes per parameter (weights, gradients, optimizer) each layout must hold under ZeRO's
+# formula, written out: bf16-true keeps Adam's two states in bf16 and no master (2, 2, 4);
+# autocast and fp32 train fp32 weights that are their own masters (4, 4, 8); on the CPU
+# offloading changes nothing, so offloaded bf16-mixed with bf16 reduction is (2, 2, 12).
+OTHER_LAYOUTS = {"memory_bf16_true_stage3": (3, (2, 2, 4)), "memory_offload_stage2": (2, (4, 4, 8)),
+                 "memory_offload_stage3": (3, (2, 2, 12)),
+                 "memory_autocast_stage2": (2, (4, 4, 8)), "memory_autocast_stage3": (3, (4, 4, 8))}
 
 
-@pytest.mark.parametrize("name", [
-    *(f"memory_bf16_{reduce}_stage{stage}" for stage in range(4) for reduce in ("fp32", "compute")),
-    "memory_bf16_true_stage3", "memory_offload_stage2", "memory_offload_stage3",
-    "memory_autocast_stage2", "memory_autocast_stage3"])
-def test_memory_matches_the_zero_formula(world: dict, name: str) -> None:
-    """What each rank holds, what the engine's report predicts and what ``estimate_memory``
-    says, each against ZeRO's formula written out here: N x bytes, divided by the world
-    from the stage that shards that state (optimizer at 1, gradients at 2, weights at 3)."""
-    p, g, k = _per_param(name)
+@pytest.mark.parametrize("name", list(OTHER_LAYOUTS))
+def test_other_layouts_memory_formula(world: dict, name: str) -> None:
+    stage, per_param = OTHER_LAYOUTS[name]
     for r in check(world[name]):
         est = r["estimate"]
         assert (est["param_bytes_per_param"], est["grad_bytes_per_param"],
-                est["optimizer_bytes_per_param"]) == (p, g, k), (name, est)
-        assert est["host_bytes"] == 0 == r["predicted_host_bytes"], name  # the host is the device
-        stage, n = r["stage"], r["num_params"]
-        formula = {"params": n * p // (2 if stage >= 3 else 1),
-                   "grads": n * g // (2 if stage >= 2 else 1),
-                   "optimizer": n * k // (2 if stage >= 1 else 1)}
-        formula["total"] = sum(formula.values())
-        # Padding: each unit's flat buffer is padded to split evenly, every element of it
-        # costing all three states; measured against the formula within 5 %.
-        padding = r["padding_elements"] * (p + g + k)
-        for part, expected in formula.items():
-            # the formula's shares are whole elements: N = 214,717 is odd, so a sharded state
-            # rounds by under one element's bytes per state kept
-            assert abs(r[f"predicted_{part}_bytes"] - expected) <= p + g + k, (part, r)
-            assert abs(est[f"{part}_bytes"] - expected) <= p + g + k, (part, est)
-            held = r[f"{part}_bytes"]
-            assert abs(held - expected) <= 0.05 * expected + padding, (part, r)
+                est["optimizer_bytes_per_param"]) == per_param
+        _assert_matches_formula(r, stage, per_param)
+        if "offload" in name:  # on the CPU offloading moves nothing and adds nothing
+            assert est["host_bytes"] == 0 == r["predicted_host_bytes"]
+            assert est["total_bytes"] == r["estimate_plain"]["total_bytes"]
+
+
+# mixed_memory's MLP(d_in=64, hidden=255, d_out=7): inp, 3 blocks, LayerNorm, out
+MLP_PARAMS = (64 + 1) * 255 + 3 * (255 + 1) * 255 + 2 * 255 + (255 + 1) * 7
+
+
+def _assert_matches_formula(r: dict, stage: int, per_param: tuple[int, int, int]) -> None:
+    """The engine's prediction is ZeRO's formula (Rajbhandari et al.: weights sharded from
+    stage 3, gradients from 2, optimizer states from 1, over N=2), computed here; what it
+    holds is that prediction within 5 % plus its padding."""
+    assert r["num_params"] == MLP_PARAMS
+    p, g, k = per_param
+    formula = {"params": MLP_PARAMS * p / (2 if stage >= 3 else 1),
+               "grads": MLP_PARAMS * g / (2 if stage >= 2 else 1),
+               "optimizer": MLP_PARAMS * k / (2 if stage >= 1 else 1)}
+    formula["total"] = sum(formula.values())
+    for part, bytes_ in formula.items():
+        # Shards are whole elements: the odd count rounds each sharded part down by at most
+        # one element's bytes of each kind.
+        assert abs(r[f"predicted_{part}_bytes"] - bytes_) <= p + g + k, (part, bytes_, r)
+    per_element = p + g + k
+    padding = r["padding_elements"] * per_element
+    for part in ("params", "grads", "optimizer", "total"):
+        held, predicted = r[f"{part}_bytes"], r[f"predicted_{part}_bytes"]
+        assert abs(held - predicted) <= 0.05 * predicted + padding, (part, r)
 
 
 @pytest.mark.parametrize("name", ["fp16_overflow_stage0", "fp16_overflow_stage1",

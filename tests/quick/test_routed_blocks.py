@@ -75,58 +75,71 @@ def _dense_models() -> list[torch.nn.Module]:
     return [gpt2, llama]
 
 
-# The split written out from the two configs above (n_embd/hidden 24, 3 layers, vocab 64), by the
-# rule core/units.py states (module_specs): post-order, a callable module whose unclaimed
-# parameters reach unit_numel is a unit, the root takes the rest. Unit name -> its numel.
-# GPT-2 (Conv1D weights in x out, plus bias): ln 2*24 = 48; c_attn 24*72+72 = 1800; attn c_proj
-# 24*24+24 = 600; c_fc 24*96+96 = 2400; mlp c_proj 96*24+24 = 2328; wte 64*24 = 1536 (lm_head
-# is tied to it, so its owner is their common ancestor, the root); wpe 3*24 = 72.
-# Llama (no biases): q/k/v/o 24*24 = 576; gate/up/down 24*48 = 1152; RMSNorm 24; embed and the
-# untied lm_head 64*24 = 1536 each.
-_GPT2_BLOCK = {"ln_1": 48, "attn.c_attn": 1800, "attn.c_proj": 600, "ln_2": 48,
-               "mlp.c_fc": 2400, "mlp.c_proj": 2328}
-_LLAMA_BLOCK = {"self_attn.q_proj": 576, "self_attn.k_proj": 576, "self_attn.v_proj": 576,
-                "self_attn.o_proj": 576, "mlp.gate_proj": 1152, "mlp.up_proj": 1152,
-                "mlp.down_proj": 1152, "input_layernorm": 24, "post_attention_layernorm": 24}
+def _gpt2_units(unit_numel: int) -> list[tuple[str, int]]:
+    """The units ``_dense_models``' GPT-2 must split into, written out from its config (d=24,
+    vocab 64, 3 positions, 3 layers) and the documented rule (a post-order walk: a called
+    module whose unclaimed parameters reach ``unit_numel`` is a unit; the root takes the
+    rest), not from the planner."""
+    d, ln = 24, 2 * 24
+    c_attn, c_proj, c_fc, mlp_proj = d * 3 * d + 3 * d, d * d + d, d * 4 * d + 4 * d, 4 * d * d + d
+    # The tied wte/lm_head weight is registered by transformer.wte and lm_head, whose closest
+    # common module is the root, so the root owns it.
+    wte, wpe = 64 * d, 3 * d
+    layers = [f"transformer.h.{i}" for i in range(3)]
+    if unit_numel == 1:
+        return [("transformer.wpe", wpe)] + [
+            (f"{h}.{name}", size) for h in layers
+            for name, size in [("ln_1", ln), ("attn.c_attn", c_attn), ("attn.c_proj", c_proj),
+                               ("ln_2", ln), ("mlp.c_fc", c_fc), ("mlp.c_proj", mlp_proj)]
+        ] + [("transformer.ln_f", ln), ("", wte)]
+    if unit_numel == 2000:
+        # c_attn (1800) and attn's c_proj (600) are each short of 2000, together a unit at
+        # attn; c_fc (2400) and mlp's c_proj (2328) reach it alone, leaving mlp empty; the
+        # layer norms (48 each) climb to the root with wte and wpe.
+        return [(f"{h}.{name}", size) for h in layers
+                for name, size in [("attn", c_attn + c_proj), ("mlp.c_fc", c_fc),
+                                   ("mlp.c_proj", mlp_proj)]] + [("", wte + wpe + 7 * ln)]
+    return [("", wte + wpe + 3 * (2 * ln + c_attn + c_proj + c_fc + mlp_proj) + ln)]
 
 
-def _layers(prefix: str, block: dict[str, int]) -> dict[str, int]:
-    return {f"{prefix}.{i}.{name}": n for i in range(3) for name, n in block.items()}
-
-
-def _expected_units(model: str, unit_numel: int) -> dict[str, int]:
-    gpt2 = model == "GPT2LMHeadModel"
-    if unit_numel == 10**9:  # nothing reaches it: the root holds every parameter
-        if gpt2:
-            return {"": 1536 + 72 + 3 * sum(_GPT2_BLOCK.values()) + 48}  # 23,328
-        return {"": 2 * 1536 + 3 * sum(_LLAMA_BLOCK.values()) + 24}  # 20,520
-    if unit_numel == 1:  # every module that registers a parameter, in post-order
-        if gpt2:
-            return {"transformer.wpe": 72, **_layers("transformer.h", _GPT2_BLOCK),
-                    "transformer.ln_f": 48, "": 1536}
-        return {"model.embed_tokens": 1536, **_layers("model.layers", _LLAMA_BLOCK),
-                "model.norm": 24, "lm_head": 1536}
-    assert unit_numel == 2000
-    if gpt2:
-        # attn (1800 + 600) and each mlp Linear reach 2000; a block's two norms (96) do not,
-        # nor does the transformer's rest: 1536 + 72 + 3*96 + 48 = 1944, left to the root.
-        per_layer = {"attn": 2400, "mlp.c_fc": 2400, "mlp.c_proj": 2328}
-        return {**_layers("transformer.h", per_layer), "": 1944}
-    # self_attn 4*576 = 2304 and mlp 3*1152 = 3456 reach it; the rest, 2*1536 + 3*48 + 24 = 3240,
-    # is left to the root.
-    return {**_layers("model.layers", {"self_attn": 2304, "mlp": 3456}), "": 3240}
+def _llama_units(unit_numel: int) -> list[tuple[str, int]]:
+    """The same for ``_dense_models``' Llama (d=24, intermediate 48, vocab 64, 3 layers, no
+    biases, lm_head untied)."""
+    d, inter, vocab = 24, 48, 64
+    attn, mlp = [("q_proj", d * d), ("k_proj", d * d), ("v_proj", d * d), ("o_proj", d * d)], [
+        ("gate_proj", d * inter), ("up_proj", d * inter), ("down_proj", inter * d)]
+    layers = [f"model.layers.{i}" for i in range(3)]
+    if unit_numel == 1:
+        return [("model.embed_tokens", vocab * d)] + [
+            (f"{layer}.{name}", size) for layer in layers
+            for name, size in [(f"self_attn.{n}", s) for n, s in attn]
+            + [(f"mlp.{n}", s) for n, s in mlp]
+            + [("input_layernorm", d), ("post_attention_layernorm", d)]
+        ] + [("model.norm", d), ("lm_head", vocab * d)]
+    if unit_numel == 2000:
+        # Every projection (576, 1152) is short of 2000; self_attn (2304) and mlp (3456) reach
+        # it; the norms (24 each) climb to the root with both embedding tables.
+        return [(f"{layer}.{name}", size) for layer in layers
+                for name, size in [("self_attn", 4 * d * d), ("mlp", 3 * d * inter)]] + [
+            ("", 2 * vocab * d + 7 * d)]
+    return [("", 2 * vocab * d + 3 * (4 * d * d + 3 * d * inter + 2 * d) + d)]
 
 
 @pytest.mark.parametrize("unit_numel", [1, 2000, 10**9])
 def test_dense_transformers_unit_specs_are_unchanged(unit_numel: int) -> None:
-    for model in _dense_models():
+    """Routed-block recognition finds nothing in dense GPT-2 and Llama, and their split is the
+    one their configs imply (``_gpt2_units``, ``_llama_units``), every parameter in one unit."""
+    expected = [_gpt2_units(unit_numel), _llama_units(unit_numel)]
+    for model, want in zip(_dense_models(), expected):
         assert routed_blocks(model) == frozenset()
         plan = make_plan(ZeroConfig(stage=3, unit_numel=unit_numel,
                                     param_persistence_threshold=0), world_size=2)
-        specs = plan_specs(model, list(model.named_parameters()), plan)
-        got = {s.name: sum(p.numel() for _, p in s.params) for s in specs}
-        expected = _expected_units(type(model).__name__, unit_numel)
-        assert list(got.items()) == list(expected.items()), (type(model).__name__, got)
+        managed = list(model.named_parameters())
+        specs = plan_specs(model, managed, plan)
+        got = [(s.name, sum(p.numel() for _, p in s.params)) for s in specs]
+        assert got == want, type(model)
+        placed = sorted(n for s in specs for n, _ in s.params)
+        assert placed == sorted(n for n, _ in managed), type(model)
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +162,24 @@ def test_stage3_with_per_rank_routing_equals_the_global_batch(world: dict, name:
         for a, b in zip(results[0]["routed"][block], results[1]["routed"][block]):
             diverged += sum((x == 0) != (y == 0) for x, y in zip(a, b))
     assert diverged > 0, [r["routed"] for r in results]
+
+
+def test_a_block_with_an_idle_expert_is_reduced_when_its_backward_ends(world: dict) -> None:
+    """Issue 58: an expert that got no token on a rank sends no gradient there, so the
+    block's gradients never all arrive; it is reduced once its module's backward ends
+    (``Runtime._post_backward``), not held with its full-size gradient buffer (and every
+    reduction after it) until the end of backward. Parity with idle experts:
+    ``test_stage3_with_per_rank_routing_equals_the_global_batch``."""
+    idle_steps = 0
+    for r in check(world["early_reduction"]):
+        for step, reduced in enumerate(r["reduced_by_embedding"]):
+            assert reduced == {"moe1": True, "moe2": True}, (step, r)
+            idle_steps += any(r["idle"][block][step] for block in ("moe1", "moe2"))
+    assert idle_steps > 0, "no expert was idle: the test would not see the case"
+    # The bound keeps room for the one block that cannot be reduced early: the first
+    # trainable one when nothing before it trains (its input needs no gradient).
+    r = check(world["early_reduction"])[0]
+    assert r["routed_held"] == r["largest_block"] > 0, r
 
 
 def test_an_unrecognised_data_dependent_block_raises_the_named_error(world: dict) -> None:

@@ -125,6 +125,9 @@ def mixed_memory(stage: int, precision: str, reduce_dtype: str, **kw) -> dict:
     report["estimate"] = zs.estimate_memory(
         engine.num_params, stage=stage, world_size=2, precision=precision,
         reduce_dtype=reduce_dtype, host_is_device=True, **kw).as_dict()
+    report["estimate_plain"] = zs.estimate_memory(
+        engine.num_params, stage=stage, world_size=2, precision=precision,
+        reduce_dtype=reduce_dtype).as_dict()
     return report
 
 

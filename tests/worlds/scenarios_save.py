@@ -139,9 +139,8 @@ register("moe_indexed_stage1", save_parity, stage=1, kind="moe", max_shard_size=
 
 
 def hub_weights(stage: int, kind: str, bucket_bytes: int, to: int | str) -> dict[str, Any]:
-    """engine.hub_weight_buckets: the receivers get the tensors plain save_pretrained writes,
-    bit for bit, each bucket within its size (and, for GPT-2, they load straight back with
-    load_state_dict(strict=False)); the others get nothing."""
+    """engine.hub_weight_buckets into a plain model with load_state_dict(strict=False):
+    the receivers get the hub's tensors, each bucket within its size, the others nothing."""
     model = _gpt2() if kind == "gpt2" else _moe()
     engine = _trained(model, stage)
     full = engine.full_state_dict()
@@ -153,14 +152,12 @@ def hub_weights(stage: int, kind: str, bucket_bytes: int, to: int | str) -> dict
             over.append(sorted(k for k, _ in bucket))
         got.update({k: t.clone() for k, t in bucket})
     plain_names = set(_reference_names(type(model), engine))
-    theirs = _shared_dir() / "theirs"
-    _reference(type(model), engine, theirs, "50GB")
     mine = to == "all" or dist.get_rank() == to
     result: dict[str, Any] = {"received": len(got), "mine": mine}
     if mine:
-        # The values, in the hub's layout, against what plain save_pretrained writes for the
-        # same masters (for the MoE: its fused experts split back by transformers itself).
-        result["values_differ"] = _differ(got, _files(theirs))
+        # The values: what plain save_pretrained writes for a plain model holding the
+        # consolidated masters (transformers' own tie removal and conversion, not ours).
+        result["hub_differ"] = _differ(got, _reference_hub(type(model), engine, full))
         plain = type(model)(engine.module.config)
         if kind == "gpt2":  # the hub layout is the module's: load it straight back
             missing, unexpected = plain.load_state_dict(got, strict=False)
@@ -183,6 +180,18 @@ def _reference_names(model_class: Any, engine: Any) -> list[str]:
     plain = model_class(config)
     state = remove_tied_weights_from_state_dict(plain.state_dict(), plain)
     return list(revert_weight_conversion(plain, state))
+
+
+def _reference_hub(model_class: Any, engine: zs.ZeroEngine,
+                   full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors plain save_pretrained writes for a plain model holding ``full``."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    plain = model_class(engine.module.config)
+    plain.load_state_dict(full)
+    state = remove_tied_weights_from_state_dict(plain.state_dict(), plain)
+    return {k: v.detach().clone() for k, v in revert_weight_conversion(plain, state).items()}
 
 
 register("iter_gpt2_stage3_rank0", hub_weights, stage=3, kind="gpt2", bucket_bytes=6000,

@@ -15,6 +15,13 @@ reduce-scatter sends every peer its slice of the input, receives this rank's sli
 peer (the first one straight into the output, the others into scratch memory) and adds them up
 in a fixed order. Same bytes as the ring algorithms,
 no temporary of the whole buffer, half the traffic of gloo's reduce-scatter.
+
+A collective that fails, when it starts (gloo sends on the caller's thread) or in its wait,
+raises ``CollectiveError`` (``CollectiveTimeout`` past the timeout) naming the collective,
+the step, this rank and the peer of a direct exchange, with the transport's error as its
+``__cause__``. The rendezvous store's part (failure reports quoted in those errors,
+agreements) is ``store.py``'s, bounded so that a store out of reach cannot hang or replace
+the error being raised.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ import ctypes
 import os
 import pickle
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -31,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from . import int8
+from .store import Ledger, StoreSilent
 
 # torch 2.13 renamed the flat collectives; older releases (>= 2.4) only have the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -48,6 +57,11 @@ class CollectiveTimeout(CollectiveError):
 
 
 _INSTANCES: Counter[tuple[int, ...]] = Counter()
+_SIDE_GROUPS: dict[tuple[int, ...], tuple[Any, dist.ProcessGroup]] = {}
+"""Side channels (``Communicator.side_channel``) by ranks, with the default group they were
+made under: reused while that group is the default (however many engines are built on it),
+made anew under a new one (a Hydra sweep's next job: the old group is destroyed, and a new
+one may even reuse its address, so the object itself is held and compared)."""
 """Communicators built so far in this process, by their ranks."""
 
 _KEPT_WORKS: deque[Any] = deque(maxlen=8)
@@ -77,6 +91,14 @@ an escaped view of a gathered buffer, ``ParamStore.aliases``) or large; under gl
 host all-gathers and reduce-scatters are sends and receives, which run on no worker thread. A
 barrier holds no tensors: freeing it takes no GIL."""
 
+_ORPHANED_WORKS: list[Any] = []
+"""Sends and receives never waited for whose group was destroyed (``_Exchange.__del__``):
+held to the end of the process, never freed."""
+try:  # never freed, not even at interpreter exit
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_ORPHANED_WORKS))
+except AttributeError:
+    pass
+
 _KEPT_BYTES = 1 << 20
 """The most tensor bytes a kept work may hold (see ``_KEPT_WORKS``)."""
 
@@ -90,6 +112,7 @@ def _store() -> Any:
     """The default group's rendezvous store: agreements and failure reports go through it,
     because it still answers while a group holds operations some rank never matched."""
     return dist.distributed_c10d._get_default_store()
+
 
 
 def group_is_initialized() -> bool:
@@ -232,24 +255,34 @@ class _Pending:
 
 
 class _Exchange:
-    """Point-to-point sends and receives that together make one collective; ``wait()`` waits
-    for all of them (bounded like any collective), then runs ``finish`` once."""
+    """Point-to-point sends and receives that together make one collective, each with the
+    rank (in the group) it goes to or comes from; ``wait()`` waits for all of them (bounded
+    like any collective), then runs ``finish`` once."""
 
-    def __init__(self, comm: Communicator, works: list[Any], op: str,
+    def __init__(self, comm: Communicator, works: list[tuple[Any, int]], op: str,
                  finish: Callable[[], None] | None = None) -> None:
         self.comm, self.works, self.op, self.finish = comm, works, op, finish
 
     def wait(self, host: bool = False) -> bool:
         works, self.works = self.works, []
-        for work in works:
-            self.comm.wait(work, self.op, host=host)
+        for work, peer in works:
+            self.comm.wait(work, self.op, host=host, peer=peer)
         if self.finish is not None:
             finish, self.finish = self.finish, None
             finish()
         return True
 
     def ready(self) -> bool:
-        return all(_completed(w) for w in self.works)
+        return all(_completed(w) for w, _ in self.works)
+
+    def __del__(self) -> None:
+        # Never waited for, and the group destroyed since (a script that ends on step() and
+        # destroy_process_group(): the post-step gathers are still pending): destroying a
+        # send or receive of a destroyed gloo group aborts the process at exit (seen 2 runs
+        # in 6 of bench/routed_memory.py). Kept instead, never freed: the process is ending.
+        if self.works and not dist.is_initialized():
+            _ORPHANED_WORKS.extend(self.works)
+            self.works = []
 
 
 class _Then:
@@ -362,36 +395,23 @@ class Communicator:
         # Every rank builds its communicators in the same order: the count names this one
         # alike on all of them, for keys in the rendezvous store (``agree_max``).
         _INSTANCES[tuple(self._peers)] += 1
-        self._store_prefix = (f"zero_strategy/{'-'.join(map(str, self._peers))}/"
-                              f"{_INSTANCES[tuple(self._peers)]}")
-        self._agreements = 0
+        self.ledger = Ledger(_store, f"zero_strategy/{'-'.join(map(str, self._peers))}/"
+                             f"{_INSTANCES[tuple(self._peers)]}", self.rank, self.world_size)
+        """Failure reports and agreements, through the rendezvous store."""
 
-    def report_failure(self, message: str) -> None:
+    def report_failure(self, message: str) -> bool:
         """Leave this rank's error where its peers' timeouts look (the rendezvous store): a
         rank whose step raised stops issuing collectives, and a peer waiting for one of them
-        should say which rank failed and why, not only that one stopped responding."""
-        if self.world_size > 1:
-            _store().set(self._failure_key(self.rank), message[:500])
+        should say which rank failed and why, not only that one stopped responding. Never
+        raises (``Ledger.report``): False when the report could not be left."""
+        return self.ledger.report(message)
 
     def clear_failure(self) -> None:
         """The failed pass is over on this rank (``zero_grad()``): its report goes."""
-        if self.world_size > 1:
-            _store().delete_key(self._failure_key(self.rank))
-
-    def _failure_key(self, rank: int) -> str:
-        return f"{self._store_prefix}/failed/{rank}"
+        self.ledger.clear()
 
     def _reported_failures(self) -> str:
-        if self.world_size == 1:
-            return ""
-        try:
-            store = _store()
-            keys = {r: self._failure_key(r) for r in range(self.world_size) if r != self.rank}
-            found = [f"rank {r} failed: {store.get(k).decode(errors='replace')}"
-                     for r, k in keys.items() if store.check([k])]
-        except RuntimeError:  # the store itself is gone: nothing more to say
-            return ""
-        return ("; " + "; ".join(found)) if found else ""
+        return self.ledger.reported()
 
     def agree_max(self, value: int) -> int:
         """The largest ``value`` over this group's ranks, agreed through the rendezvous store
@@ -401,18 +421,10 @@ class Communicator:
 
     def agree(self, value: int) -> list[int]:
         """Every rank's ``value``, by rank, through the rendezvous store (as ``agree_max``)."""
-        if self.world_size == 1:
-            return [value]
-        self._agreements += 1
-        store = _store()
-        prefix = f"{self._store_prefix}/agree{self._agreements}"
-        store.set(f"{prefix}/{self.rank}", str(value))
-        keys = [f"{prefix}/{r}" for r in range(self.world_size)]
         try:
-            store.wait(keys, timedelta(seconds=self.timeout_s or 600.0))
-        except RuntimeError as e:
+            return self.ledger.agree(value, self.timeout_s or 600.0)
+        except (RuntimeError, StoreSilent) as e:
             raise self._error("agree (store)", e) from e
-        return [int(store.get(k)) for k in keys]
 
     def split(self, group_size: int) -> tuple[Communicator, Communicator]:
         """Hybrid sharding: (this rank's shard group of ``group_size`` consecutive ranks, its
@@ -453,6 +465,37 @@ class Communicator:
                 mine = group
         assert mine is not None, (self.rank, parts)  # a partition covers every rank
         return mine
+
+    def side_channel(self) -> Communicator:
+        """A communicator over the same ranks on connections of their own (a second gloo
+        group, made once per group and reused), for small messages that must not queue
+        behind this group's bulk transfers: a few bytes sent on a connection that carries
+        megabytes of gathered rows arrive only after them. Every rank calls it, in one
+        order (engines are built on every rank alike)."""
+        default = dist.distributed_c10d._get_default_group()
+        made = _SIDE_GROUPS.get(tuple(self._peers))
+        if made is not None and made[0] is default:
+            group = made[1]
+        else:
+            group = self._subgroup([list(range(self.world_size))])
+            _SIDE_GROUPS[tuple(self._peers)] = (default, group)
+        side = Communicator(group, timeout=self.timeout_s, step=self._step)
+        side.use_device(self.device)
+        side.bytes_sent = self.bytes_sent  # the same ranks' traffic: counted as theirs
+        return side
+
+    def all_gather_polled(self, flat_output: torch.Tensor, shard: torch.Tensor) -> Handle:
+        """``all_gather`` as one collective of the backend, never as direct exchanges: its
+        handle's ``ready()`` reports completion as soon as it happens (gloo's point-to-point
+        work reports it only once waited for), so a caller can read it without blocking."""
+        self._check("all_gather", flat_output, shard)
+        self._count("all_gather", flat_output.nbytes * self._fraction())
+        # Not kept past its use (``_queued``): its caller waits for it long before a script
+        # ends, and a kept one was seen to keep a step's saved activation (an offloaded
+        # input's open file) alive after the step (tests/quick/test_step_faults.py).
+        with self._starting("all_gather"):
+            work = _all_gather(flat_output, shard, group=self.group, async_op=True)
+        return _Pending(self, work, "all_gather")
 
     def global_ranks(self) -> list[int]:
         """This group's members, as ranks of the default group (the store's agreements)."""
@@ -511,10 +554,11 @@ class Communicator:
         return (self.world_size - 1) / self.world_size
 
     # ---------------------------------------------------------------- waiting
-    def wait(self, work: Any, op: str, host: bool = False) -> None:
-        """Wait for ``work`` (collective ``op``) at most the timeout; raise naming it.
-        ``host``: the host reads the result next, so the wait blocks it on every backend and
-        is bounded on every backend (nccl's ``wait(timeout)`` blocks the host)."""
+    def wait(self, work: Any, op: str, host: bool = False, peer: int | None = None) -> None:
+        """Wait for ``work`` (collective ``op``; a send to or receive from ``peer``, a rank
+        of this group, when it is one) at most the timeout; raise naming it. ``host``: the
+        host reads the result next, so the wait blocks it on every backend and is bounded on
+        every backend (nccl's ``wait(timeout)`` blocks the host)."""
         limit = self._host_timeout if host else self._wait_timeout
         try:
             if limit is None:
@@ -522,25 +566,46 @@ class Communicator:
             else:
                 work.wait(limit)
         except RuntimeError as e:
-            raise self._error(op, e) from e
+            raise self._error(op, e, peer) from e
 
-    def _error(self, op: str, cause: Exception) -> CollectiveError:
+    @contextmanager
+    def _starting(self, op: str, peer: int | None = None) -> Iterator[None]:
+        """Around the call that starts a collective: gloo sends on the caller's thread, so
+        a peer gone already fails there (``Connection closed by peer``), not in the wait;
+        that error becomes ours too."""
+        try:
+            yield
+        except RuntimeError as e:
+            raise self._error(op, e, peer) from e
+
+    def _error(self, op: str, cause: BaseException, peer: int | None = None
+               ) -> CollectiveError:
+        """The error a failed collective raises: the collective, the step, this rank, the
+        peer it was exchanging with (when one), and the transport's own message; the
+        caller chains ``cause`` as its ``__cause__``."""
         where = "outside training"
         if self._step is not None:
             try:
                 where = f"at step {self._step()}"
             except AttributeError:  # raised while the engine is still being built
                 where = "while building the engine"
-        timed_out = "timed out" in str(cause).lower() or "timeout" in str(cause).lower()
+        text = str(cause).lower()
+        timed_out = isinstance(cause, TimeoutError) or "timed out" in text or "timeout" in text
         what = (f"did not complete within {self.timeout_s:g} s ({self._timeout_source})"
                 if timed_out and self.timeout_s is not None else "failed")
         kind = CollectiveTimeout if timed_out else CollectiveError
         first_line = (str(cause).splitlines() or [""])[0][:200]
         return kind(
             f"collective {op} {what} {where} on rank {self.rank} of {self.world_size} "
-            f"({self.backend}): another rank stopped responding (stalled, killed, or running "
-            f"different code) [{type(cause).__name__}: {first_line}]"
+            f"({self.backend}){self._with(peer)}: another rank stopped responding (stalled, "
+            f"killed, or running different code) [{type(cause).__name__}: {first_line}]"
             f"{self._reported_failures()}")
+
+    def _with(self, peer: int | None) -> str:
+        if peer is None:
+            return ""
+        known = f" (global rank {self._peers[peer]})" if self.group is not None else ""
+        return f", exchanging with rank {peer}{known}"
 
     def _finish(self, work: Any, op: str, async_op: bool) -> Handle:
         if async_op:
@@ -553,7 +618,9 @@ class Communicator:
         """Sum in place over ranks."""
         self._check("all_reduce", tensor)
         self._count("all_reduce", 2 * tensor.nbytes * self._fraction())
-        work = self._queued(dist.all_reduce(tensor, group=self.group, async_op=True), tensor)
+        with self._starting("all_reduce"):
+            work = self._queued(dist.all_reduce(tensor, group=self.group, async_op=True),
+                                tensor)
         return self._finish(work, "all_reduce", async_op)
 
     def all_reduce_int8(self, tensor: torch.Tensor, *, async_op: bool = False) -> Handle:
@@ -592,8 +659,9 @@ class Communicator:
         """Max in place over ranks; ``host``: complete for the host, which reads it next."""
         self._check("all_reduce(max)", tensor)
         self._count("all_reduce", 2 * tensor.nbytes * self._fraction())
-        work = self._queued(dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group,
-                                            async_op=True), tensor)
+        with self._starting("all_reduce(max)"):
+            work = self._queued(dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group,
+                                                async_op=True), tensor)
         self.wait(work, "all_reduce(max)", host=host)
         return tensor
 
@@ -617,9 +685,11 @@ class Communicator:
             # group's own timeout (30 minutes by default): the op carries the timeout itself.
             opts = dist.ReduceScatterOptions()
             opts.reduceOp, opts.timeout, opts.asyncOp = dist.ReduceOp.SUM, self._wait_timeout, True
-            work = group._reduce_scatter_base(output, flat_input, opts)
+            with self._starting("reduce_scatter"):
+                work = group._reduce_scatter_base(output, flat_input, opts)
         else:
-            work = _reduce_scatter(output, flat_input, group=self.group, async_op=True)
+            with self._starting("reduce_scatter"):
+                work = _reduce_scatter(output, flat_input, group=self.group, async_op=True)
         return self._finish(work, "reduce_scatter", async_op)
 
     def all_gather(
@@ -633,7 +703,8 @@ class Communicator:
         self._count("all_gather", flat_output.nbytes * self._fraction())
         if self._direct:
             return self._all_gather_direct(flat_output, shard, async_op, channel)
-        work = _all_gather(flat_output, shard, group=self.group, async_op=True)
+        with self._starting("all_gather"):
+            work = _all_gather(flat_output, shard, group=self.group, async_op=True)
         return self._finish(work, "all_gather", async_op)
 
     def _all_gather_direct(self, flat_output: torch.Tensor, shard: torch.Tensor,
@@ -641,22 +712,27 @@ class Communicator:
         rows = flat_output.view(self.world_size, -1)
         if rows[self.rank].data_ptr() != shard.data_ptr():
             rows[self.rank].copy_(shard)
-        works = self._gather_rows(rows, channel)
+        works = self._gather_rows(rows, "all_gather", channel)
         return self._finish_exchange(_Exchange(self, works, "all_gather"), async_op)
 
-    def _gather_rows(self, rows: torch.Tensor, channel: int | None = None) -> list[Any]:
+    def _gather_rows(self, rows: torch.Tensor, op: str,
+                     channel: int | None = None) -> list[tuple[Any, int | None]]:
         """Start filling every row of ``rows`` (one per rank) with that rank's own row, which
-        is already in place here; uncounted (the callers count what they send)."""
+        is already in place here; uncounted (the callers count what they send). Each work
+        with the rank it exchanges with (None: the whole group's)."""
         if not self._direct:
-            return [_all_gather(rows.view(-1), rows[self.rank], group=self.group,
-                                async_op=True)]
+            with self._starting(op):
+                return [(_all_gather(rows.view(-1), rows[self.rank], group=self.group,
+                                     async_op=True), None)]
         tag = _GATHER_TAG if channel is None else _CHANNEL_TAG + channel
-        works = []
+        works: list[tuple[Any, int | None]] = []
         for r in range(self.world_size):
             if r != self.rank:
-                works.append(dist.isend(rows[self.rank], self._peers[r], group=self.group,
-                                        tag=tag))
-                works.append(dist.irecv(rows[r], self._peers[r], group=self.group, tag=tag))
+                with self._starting(op, r):
+                    works.append((dist.isend(rows[self.rank], self._peers[r], group=self.group,
+                                             tag=tag), r))
+                    works.append((dist.irecv(rows[r], self._peers[r], group=self.group,
+                                             tag=tag), r))
         return works
 
     def _reduce_scatter_direct(self, output: torch.Tensor, flat_input: torch.Tensor,
@@ -671,12 +747,13 @@ class Communicator:
         scratch = take((len(peers) - 1) * output.numel(), output.dtype) if peers[1:] else None
         targets = [output] + (list(scratch.view(len(peers) - 1, -1)) if scratch is not None
                               else [])
-        works = []
+        works: list[tuple[Any, int | None]] = []
         for peer, target in zip(peers, targets):
-            works.append(dist.isend(pieces[peer], self._peers[peer], group=self.group,
-                                    tag=_REDUCE_TAG))
-            works.append(dist.irecv(target, self._peers[peer], group=self.group,
-                                    tag=_REDUCE_TAG))
+            with self._starting("reduce_scatter", peer):
+                works.append((dist.isend(pieces[peer], self._peers[peer], group=self.group,
+                                         tag=_REDUCE_TAG), peer))
+                works.append((dist.irecv(target, self._peers[peer], group=self.group,
+                                         tag=_REDUCE_TAG), peer))
 
         def finish() -> None:  # peers in rank order, then this rank: the same order every step
             for target in targets[1:]:
@@ -714,8 +791,8 @@ class Communicator:
         int8.encode(shard, payload[self.rank], scales[self.rank], scratch)
         give(scratch)
         self._count("all_gather", (n - 1) * (payload[0].nbytes + scales[0].nbytes))
-        works = (self._gather_rows(payload, channel) + self._gather_rows(scales, channel)
-                 if n > 1 else [])
+        works = (self._gather_rows(payload, "all_gather", channel)
+                 + self._gather_rows(scales, "all_gather", channel) if n > 1 else [])
 
         def finish() -> None:
             for row, out in zip(range(n), flat_output.view(n, -1)):
@@ -746,11 +823,13 @@ class Communicator:
         for r in range(n):
             if r != self.rank:  # this rank's row is not sent: its slice stays exact
                 int8.encode(pieces[r], sent[0].view(n, -1)[r], sent[1].view(n, -1)[r],
-                                scratch)
+                            scratch)
         give(scratch)
         self._count("reduce_scatter", (n - 1) * (sent[0].nbytes + sent[1].nbytes) // n)
-        works = [dist.all_to_all_single(g, s, group=self.group, async_op=True)
-                 for g, s in zip(got, sent)]
+        with self._starting("reduce_scatter"):
+            works: list[tuple[Any, int | None]] = [
+                (dist.all_to_all_single(g, s, group=self.group, async_op=True), None)
+                for g, s in zip(got, sent)]
 
         def finish() -> None:
             total = output if output.dtype == torch.float32 else take(k, torch.float32)
@@ -759,7 +838,7 @@ class Communicator:
             for r in range(n):
                 if r != self.rank:
                     int8.decode_add(got[0].view(n, -1)[r], got[1].view(n, -1)[r], total,
-                                        values)
+                                    values)
             if total is not output:
                 output.copy_(total)
                 give(total)
@@ -778,8 +857,9 @@ class Communicator:
         if self.world_size == 1:
             out.copy_(send)
             return out
-        work = dist.all_to_all_single(out, send, recv_counts, send_counts, group=self.group,
-                                      async_op=True)
+        with self._starting("all_to_all"):
+            work = dist.all_to_all_single(out, send, recv_counts, send_counts,
+                                          group=self.group, async_op=True)
         self.wait(work, "all_to_all")
         return out
 
@@ -787,8 +867,10 @@ class Communicator:
         """Rank ``src`` of this group sends ``tensor`` to every rank, in place."""
         self._check("broadcast", tensor)
         self._count("broadcast", tensor.nbytes)
-        work = dist.broadcast(tensor, group=self.group, async_op=True,
-                              src=dist.get_global_rank(self.group, src) if self.group else src)
+        with self._starting("broadcast"):
+            work = dist.broadcast(tensor, group=self.group, async_op=True,
+                                  src=dist.get_global_rank(self.group, src) if self.group
+                                  else src)
         self.wait(work, "broadcast")
 
     def broadcast_coalesced(self, tensors: list[torch.Tensor], src: int = 0) -> None:
@@ -804,11 +886,15 @@ class Communicator:
                 t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
-    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
-        """Every rank's ``values`` (a blocking round trip of 8 bytes per value and rank)."""
+    def all_gather_ints(self, values: list[int], counted: bool = True) -> list[list[int]]:
+        """Every rank's ``values`` (a blocking round trip of 8 bytes per value and rank).
+        ``counted=False``: left out of ``bytes_sent`` (metadata outside ZeRO's traffic)."""
         mine = torch.tensor(values, dtype=torch.int64, device=self.device)
         out = torch.empty(self.world_size * len(values), dtype=torch.int64, device=self.device)
+        before = self.bytes_sent["all_gather"]
         self.all_gather(out, mine, async_op=True).wait(host=True)
+        if not counted:
+            self.bytes_sent["all_gather"] = before
         return out.view(self.world_size, -1).tolist()
 
     def all_gather_object(self, obj: object) -> list[object]:
@@ -820,20 +906,24 @@ class Communicator:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
         sizes = torch.empty(self.world_size, dtype=torch.int64, device=device)
-        self.wait(self._queued(_all_gather(sizes, size, group=self.group, async_op=True), sizes,
-                               size), "all_gather_object", host=True)
+        with self._starting("all_gather_object"):
+            work = _all_gather(sizes, size, group=self.group, async_op=True)
+        self.wait(self._queued(work, sizes, size), "all_gather_object", host=True)
         longest = int(sizes.max())
         padded = torch.zeros(longest, dtype=torch.uint8, device=device)
         padded[: data.numel()] = data
         out = torch.empty(longest * self.world_size, dtype=torch.uint8, device=device)
-        self.wait(self._queued(_all_gather(out, padded, group=self.group, async_op=True), out,
-                               padded), "all_gather_object", host=True)
+        with self._starting("all_gather_object"):
+            work = _all_gather(out, padded, group=self.group, async_op=True)
+        self.wait(self._queued(work, out, padded), "all_gather_object", host=True)
         blobs = out.cpu().view(self.world_size, longest)
         return [pickle.loads(blobs[r, : int(n)].numpy().tobytes())
                 for r, n in enumerate(sizes.tolist())]
 
     def barrier(self) -> None:
-        self.wait(dist.barrier(group=self.group, async_op=True), "barrier", host=True)
+        with self._starting("barrier"):
+            work = dist.barrier(group=self.group, async_op=True)
+        self.wait(work, "barrier", host=True)
 
     def failures(self, error: str | None) -> list[tuple[int, str]]:
         """Agree on whether a local step (writing a file, validating) succeeded everywhere:

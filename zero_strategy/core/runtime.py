@@ -65,6 +65,7 @@ from .autograd import (
 from .devices import from_host
 from .params import ParamState
 from .progress import StepProgress
+from .routed import routed_blocks
 from .states import StateMachine, every
 from .units import Unit
 
@@ -144,7 +145,7 @@ class Runtime(StateMachine):
     MOVES = _MOVES
 
     def __init__(self, units: list[Unit], comm: Communicator, root: torch.nn.Module,
-                 prefetch: bool, check_gather_order: bool,
+                 prefetch: int, check_gather_order: bool,
                  world: Communicator | None = None, blocking_order_check: bool = False,
                  progress: StepProgress | None = None) -> None:
         self.units = units
@@ -156,7 +157,8 @@ class Runtime(StateMachine):
         """Every rank (``comm`` is the shard group under hybrid sharding): they all check the
         gather order (replicas reduce in the order their groups gathered) and agree on which
         parameters were used anywhere."""
-        self.prefetch = prefetch
+        self.prefetch = int(prefetch)
+        """Units gathered ahead of the one computing (0: none)."""
         self.check_gather_order = check_gather_order and comm.world_size > 1
         self.defer_order_check = comm.device.type != "cpu" and not blocking_order_check
         self.header_order_check = comm.device.type == "cpu" and not blocking_order_check
@@ -164,6 +166,9 @@ class Runtime(StateMachine):
         units this rank has complete) to every rank beside its rows, without waiting; the
         headers are read, in gather order, before a unit's rows are waited for."""
         self._headers: deque[tuple[Unit, torch.Tensor, Handle]] = deque()
+        self._side = (world or comm).side_channel() if (
+            self.header_order_check and self.check_gather_order) else self.world
+        """Where headers travel: connections of their own (``Communicator.side_channel``)."""
         self._headers_sent = 0
         self._indices: torch.Tensor | None = None
         """Every unit's index on the device, made once: the gather-order tag of a unit is a
@@ -195,6 +200,13 @@ class Runtime(StateMachine):
         self._pinned: set[int] = set()
         """Units kept whole until the end of backward: read outside their module's forward,
         or returned (a view of) their parameters from it."""
+        routed = routed_blocks(root)
+        self._routed = {u.index for u in units if u.module is not None and id(u.module) in routed}
+        """Routed blocks (mixture of experts): reduced once their module's backward ended,
+        whatever experts idle on this rank did not send (``_post_backward``)."""
+        self._reduced_early: set[int] = set()
+        """Routed blocks reduced so in this backward: a gradient of theirs arriving after
+        that would be lost, and is refused."""
         self._held: dict[int, int] = {}
         """Units ``engine.gathered_parameters()`` keeps whole (how many blocks hold each): no
         forward, backward or inference pass frees them until the block ends."""
@@ -266,7 +278,7 @@ class Runtime(StateMachine):
         self._headers_sent += 1
         mine = torch.tensor([index, self._ready], dtype=torch.int64)
         out = torch.empty(2 * self.world.world_size, dtype=torch.int64)
-        return out, self.world.all_gather(out, mine, async_op=True)
+        return out, self._side.all_gather_polled(out, mine)
 
     def _read_headers(self, upto: Unit | None = None) -> None:
         """Check the headers of the gathers issued so far, in order, up to ``upto``'s (all
@@ -276,15 +288,26 @@ class Runtime(StateMachine):
         if upto is not None and all(u is not upto for u, _, _ in self._headers):
             return
         while self._headers:
-            unit, out, handle = self._headers.popleft()
-            handle.wait(host=True)  # read next
-            rows = out.view(self.world.world_size, 2).tolist()
-            self._check_tags(unit, [r[0] for r in rows])
-            if self._agreed is not None:
-                self._agreed = min(r[1] for r in rows)
-                self._launch_ready()
-            if unit is upto:
+            if self._take_header() is upto:
                 return
+
+    def _poll_headers(self) -> None:
+        """Read the headers that have arrived, without waiting for any: the agreement on
+        how far reductions may be launched then takes effect as soon as every rank's header
+        is in, not when this rank next waits for a gather (its own connections, the side
+        channel, keep them from queueing behind gathered rows)."""
+        while self._headers and self._headers[0][2].ready():
+            self._take_header()
+
+    def _take_header(self) -> Unit:
+        unit, out, handle = self._headers.popleft()
+        handle.wait(host=True)  # read next
+        rows = out.view(self.world.world_size, 2).tolist()
+        self._check_tags(unit, [r[0] for r in rows])
+        if self._agreed is not None:
+            self._agreed = min(r[1] for r in rows)
+            self._launch_ready()
+        return unit
 
     def _check_and_agree(self, unit: Unit) -> None:
         """The host-side gather-order check; in backward it also agrees how far reductions
@@ -369,8 +392,8 @@ class Runtime(StateMachine):
     # ---------------------------------------------------------------- forward
     def follow_trainability(self, agree: bool) -> None:
         """Which parameters require grad now. ``agree`` (a backward, which every rank runs):
-        checked against every rank whenever it changed (one exchange through the rendezvous
-        store then, none otherwise), since ``Unit.trains`` decides which units are reduced
+        checked against every rank whenever it changed (one small uncounted all-gather then,
+        none otherwise), since ``Unit.trains`` decides which units are reduced
         and ranks that reduced different units would wait for each other forever. A forward
         does not agree: a forward may run on one rank alone (a sample logged by rank 0 at
         stages 0-2)."""
@@ -386,10 +409,12 @@ class Runtime(StateMachine):
     def _agree_trainability(self, flags: tuple[bool, ...]) -> None:
         if self.world.world_size == 1:
             return
-        # Through the store, not the group: metadata, so a step's collective bytes stay the
-        # same in the step where trainability changed (ZeRO's traffic formula per step).
+        # Not counted: metadata, so a step's collective bytes stay the same in the step where
+        # trainability changed (ZeRO's traffic formula per step). Not through the store
+        # either: its keys are numbered per process, and a process that lives on (a Hydra
+        # sweep's rank 0) numbers them unlike its job's new peers.
         mine = zlib.crc32(bytes(flags)) | len(flags) << 32
-        if len(set(self.world.agree(mine))) == 1:
+        if len({t[0] for t in self.world.all_gather_ints([mine], counted=False)}) == 1:
             return
         names = [slot.name for unit in self.units for slot in unit.layout.slots]
         every = self.world.all_gather_object(flags)
@@ -434,8 +459,11 @@ class Runtime(StateMachine):
         trainable parameters got their gradients (the frozen weight computes the gradient of
         the module's input, as under a LoRA adapter). Where the inputs require grad, the end
         of that backward is observable: the unit is freed then, not at the end of the whole
-        backward (which would hold every frozen unit of a partial fine-tune at once)."""
-        if not (unit.has_frozen and torch.is_grad_enabled()):
+        backward (which would hold every frozen unit of a partial fine-tune at once). A
+        routed block is watched so too: an expert that got no token here sends no gradient,
+        so only the end of the block's backward says that every gradient it gets arrived."""
+        watched = unit.has_frozen or unit.index in self._routed
+        if not (watched and torch.is_grad_enabled()):
             return None
         inputs = register_post_backward(args, kwargs, lambda: self._post_backward(unit))
         if inputs is not None:
@@ -443,10 +471,19 @@ class Runtime(StateMachine):
         return inputs
 
     def _post_backward(self, unit: Unit) -> None:
-        """One call of ``unit``'s module has finished its backward."""
+        """One call of ``unit``'s module has finished its backward. After the last, a routed
+        block still waiting for an idle expert's gradients is reduced (those count as zeros,
+        as under DDP) instead of at the end of backward, where it held its full-size
+        gradient and every reduction after it in the launch order."""
         unit.pending_calls = max(unit.pending_calls - 1, 0)
-        if unit.pending_calls == 0 and unit.reduced_this_pass:
+        if unit.pending_calls:
+            return
+        if unit.reduced_this_pass:
             self.release(unit)
+        elif unit.index in self._routed and unit.index not in self._pinned:
+            if unit.expected:
+                self._reduced_early.add(unit.index)
+            self._finish_unit(unit)
 
     def recomputing(self) -> bool:
         """A module's forward inside backward: a checkpointed module recomputing."""
@@ -490,10 +527,12 @@ class Runtime(StateMachine):
     def _prefetch_after(self, unit: Unit, order: list[Unit]) -> None:
         for i, u in enumerate(order[:-1]):
             if u is unit:
-                self.unshard(order[i + 1])
+                ahead = i + 1 + self.prefetch
+                for later in order[i + 1 : ahead]:
+                    self.unshard(later)  # those gathering already are left as they are
                 # Shards at rest on disk are read further ahead than the gather: the gather
                 # of the next unit then finds its bytes in memory.
-                for later in order[i + 2 : i + 2 + READ_AHEAD_UNITS]:
+                for later in order[ahead : ahead + READ_AHEAD_UNITS]:
                     later.param_store.read_ahead()
                 return
 
@@ -528,6 +567,7 @@ class Runtime(StateMachine):
         self._complete = set()
         self._backward_trace, self._traced, self._recomputed = [], set(), False
         self._plan_reached = -1
+        self._reduced_early = set()
         for unit in self.units:
             if unit.expected == 0:  # complete already: no gradient can arrive for it
                 unit.reduced_this_pass = True
@@ -536,6 +576,7 @@ class Runtime(StateMachine):
 
     def pre_backward(self, unit: Unit) -> None:
         self._ensure_callback()
+        self._poll_headers()
         self._advance_crossings()
         if unit.index not in self._traced:
             self._traced.add(unit.index)
@@ -568,15 +609,23 @@ class Runtime(StateMachine):
             later = plan[i]
             if later.index not in self._traced:
                 ahead.append(later)
-                if len(ahead) > READ_AHEAD_UNITS:
+                if len(ahead) >= self.prefetch + READ_AHEAD_UNITS:
                     break
-        if ahead:
-            self.unshard(ahead[0])
-            for later in ahead[1:]:
-                later.param_store.read_ahead()
+        for later in ahead[: self.prefetch]:
+            self.unshard(later)
+        for later in ahead[self.prefetch :]:
+            later.param_store.read_ahead()
 
     def on_grad(self, unit: Unit, index: int, param: torch.Tensor) -> None:
         self._ensure_callback()
+        if unit.index in self._reduced_early:
+            raise RuntimeError(
+                f"a gradient of {unit.layout.slots[index].name!r} arrived after its routed "
+                f"block {unit.name!r} was reduced (a routed block is reduced once its "
+                "module's backward ends, whatever experts idle on this rank did not send): "
+                "the parameter is read outside the block's forward too, on a path backward "
+                "reaches later, and its gradient would be lost; keep the expert's use inside "
+                "its block's forward")
         grad = param.grad
         assert grad is not None
         unit.grad_store.accumulate(index, grad)
@@ -591,6 +640,7 @@ class Runtime(StateMachine):
         unit.reduced_this_pass = True
         if self.sync:
             self._complete.add(unit.index)
+            self._poll_headers()
             self._launch_ready()
         # Every use of the unit's parameters is behind us once all their gradients arrived
         # and every call's backward ended (a unit with frozen parameters whose end cannot be
@@ -674,6 +724,7 @@ class Runtime(StateMachine):
             unit.reduced_this_pass = False
             unit.pending_calls = 0
         self._complete = set()
+        self._reduced_early = set()
         self._cursor = self._ready = 0
         self._agreed = None
         self._callback_queued = False
