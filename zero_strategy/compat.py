@@ -28,20 +28,13 @@ checked on others): the versions installed when the registry last changed."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class Function:
-    """A method or function of theirs we override, call, or receive calls of."""
+class _Name:
+    """What every entry says: whose name it is, why we need it, where it was checked."""
 
     owner: str
     """``"package.module"`` (a function) or ``"package.module:Class"`` (a method; the part
     after the colon may be a dotted path of attributes)."""
     name: str
-    params: tuple[str, ...] = ()
-    """The parameters we pass positionally (or receive, for an override), in order, without
-    ``self``."""
-    keywords: tuple[str, ...] = ()
-    """The parameters we pass by name."""
-    passes_through: bool = False
-    """An override taking ``*args, **kwargs`` and passing them on: only the name matters."""
     optional: bool = False
     """The code checks that it exists and falls back without it (``why`` says to what)."""
     checked: str = ""
@@ -54,34 +47,35 @@ class Function:
 
     @property
     def checked_on(self) -> str:
-        return self.checked or f"{package_of(self)} {CHECKED_ON[package_of(self)]}"
+        package = package_of(self)
+        return self.checked or f"{package} {CHECKED_ON[package]}"
 
 
 @dataclass(frozen=True, kw_only=True)
-class Attribute:
+class Function(_Name):
+    """A method or function of theirs we override, call, or receive calls of."""
+
+    params: tuple[str, ...] = ()
+    """The parameters we pass positionally (or receive, for an override), in order, without
+    ``self``."""
+    keywords: tuple[str, ...] = ()
+    """The parameters we pass by name."""
+    passes_through: bool = False
+    """An override taking ``*args, **kwargs`` and passing them on: only the name matters."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Attribute(_Name):
     """An attribute of theirs: a module or class attribute (``on_class``), or one their code
     sets or reads on instances, which is then found in the owner module's source."""
 
-    owner: str
-    name: str
     on_class: bool = True
-    optional: bool = False
-    checked: str = ""
-    why: str
-
-    @property
-    def path(self) -> str:
-        return f"{self.owner.replace(':', '.')}.{self.name}"
-
-    @property
-    def checked_on(self) -> str:
-        return self.checked or f"{package_of(self)} {CHECKED_ON[package_of(self)]}"
 
 
 Entry = Function | Attribute
 
 
-def package_of(entry: Entry) -> str:
+def package_of(entry: _Name) -> str:
     top = entry.owner.split(".")[0].split(":")[0]
     return "lightning" if top in ("pytorch_lightning", "lightning_fabric") else top
 
