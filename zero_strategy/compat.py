@@ -116,6 +116,24 @@ TORCH = (
     Attribute(owner="torch.nn:Module", name="_parameters", on_class=False,
               why="a module's own parameters, read and replaced in place (state dict "
                   "loading, sharded init, pretrained loading) without its __setattr__"),
+    Attribute(owner="torch.nn:Module", name="_buffers", on_class=False,
+              why="a module's own buffers, read and replaced in place as _parameters are "
+                  "(sharded init, pretrained loading)"),
+    Function(owner="torch.nn:Module", name="_apply", params=("fn", "recurse"),
+             why="core/hooks.py: overridden on the swapped module classes, so .to(), .half() "
+                 "and to_empty() on a managed module are checked before torch moves anything"),
+    Function(owner="torch.nn:Module", name="_load_from_state_dict",
+             params=("state_dict", "prefix", "local_metadata", "strict", "missing_keys",
+                     "unexpected_keys", "error_msgs"),
+             why="core/hooks.py: overridden, load_state_dict writes managed parameters into "
+                 "their masters and shards"),
+    Function(owner="torch.nn:Module", name="_save_to_state_dict",
+             params=("destination", "prefix", "keep_vars"),
+             why="core/hooks.py: overridden, state_dict of a module whose parameters may be "
+                 "sharded is checked first"),
+    Attribute(owner="torch:Tensor", name="_version",
+              why="core/activations.py: an offloaded activation changed in place after it "
+                  "was saved is refused, as autograd refuses it"),
     Attribute(owner="torch.nn:MultiheadAttention", name="_reset_parameters",
               why="core/materialize.py: the init a LATE_INIT module's constructor runs (it "
                   "has no reset_parameters)"),

@@ -6,8 +6,9 @@ called again and nothing fails, so a rename must fail here, naming the name.
 The list cannot drift from the code: every module of ``zero_strategy/`` is scanned with
 ``ast`` (``tests/support/private_names.py``) for private names of other packages (imports,
 attributes reached through their modules and objects, names given to ``getattr`` & co. as
-strings, private names the package never defines, and, at run time, the private members of
-their classes that our subclasses override or use), and one missing from the list fails. In
+strings, private names the package never defines or that torch's objects have too off
+``self``, and, at run time, the private members of their classes that our subclasses override
+or use), and one missing from the list fails. In
 process, nothing spawned."""
 
 from __future__ import annotations
@@ -206,16 +207,33 @@ def _unlisted(access: private_names.Access) -> str | None:
 Scan = tuple[list[private_names.Access], dict[str, tuple[str, str]]]
 
 
+def _framework_objects() -> tuple[object, ...]:
+    """torch's objects the package handles most, as instances (attributes set in their
+    ``__init__`` included): a private name of theirs the package also happens to define
+    for itself (``EngineParts._buffers``, ``self._version``) is theirs where they have it."""
+    import torch
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    return (torch.nn.Linear(1, 1), torch.zeros(1), param, optimizer, torch.UntypedStorage(1),
+            torch.optim.lr_scheduler.StepLR(optimizer, 1))
+
+
 def _scan() -> Scan:
     members = _framework_members()
     trees = [ast.parse(p.read_text()) for p in MODULES.values()]
-    ours = private_names.defined_names(trees) - set(members) - LISTED
+    defined = private_names.defined_names(trees)
+    objects = _framework_objects()
+    also_theirs = {n for n in defined if private_names.private(n)
+                   and any(hasattr(o, n) for o in objects)}
+    ours = defined - set(members) - LISTED - also_theirs
+    ours_on_self = frozenset(also_theirs - set(members) - LISTED)
     found = []
     for path in MODULES.values():
         if path == Path(compat.__file__):
             continue  # the registry itself: its strings are the names
         where = path.relative_to(PACKAGE.parent).as_posix()
-        found += list(private_names.accesses(path, where, ours))
+        found += list(private_names.accesses(path, where, ours, ours_on_self))
     return found, members
 
 
@@ -273,6 +291,23 @@ def test_the_scan_sees_each_way_of_touching_a_name(tmp_path: Path) -> None:
         ("_swap_data_ptr_", "torch.UntypedStorage._swap_data_ptr_", None),
         ("_gone", None, None), ("_C", "torch._C", None), ("_listed_as_a_name", None, None),
     }
+
+
+def test_a_name_of_ours_a_framework_object_also_has_is_theirs_off_self(
+        tmp_path: Path) -> None:
+    """``self._version`` is ours where the package defines it; ``tensor._version`` is
+    torch's all the same (a framework object has it), and so is an override reached
+    through ``super()``."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "class Saved:\n    def __init__(self, tensor):\n"
+        "        self._version = tensor._version\n"
+        "    def _apply(self, fn):\n        return super()._apply(fn)\n")
+    found = {(a.name, a.where) for a in private_names.accesses(
+        probe, "probe.py", ours=set(), ours_on_self=frozenset({"_version", "_apply"}))}
+    assert found == {("_version", "probe.py:3"), ("_apply", "probe.py:5")}
+    assert "_version" in {n for n in private_names.defined_names([ast.parse(
+        probe.read_text())]) if any(hasattr(o, n) for o in _framework_objects())}
 
 
 def test_a_missing_name_fails_naming_it() -> None:

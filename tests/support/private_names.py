@@ -12,7 +12,9 @@ What counts as touching one (an ``Access``):
 - any other ``obj._name`` (read, write or call; ``getattr``/``setattr``/``hasattr``/``delattr``
   with the name as a string; or the name as a string anywhere, as a list of names is written)
   whose name the package never defines itself (``ours``): ``group._reduce_scatter_base``,
-  ``module._parameters``, ``optimizer._opt_called = True``.
+  ``module._parameters``, ``optimizer._opt_called = True``; or that the package defines but
+  a framework object has too (``ours_on_self``: ours on ``self`` only, so ``tensor._version``
+  is torch's although ``self._version`` is ours).
 
 The first three are *qualified*: ``key`` is the dotted path through its last private part,
 ``member`` the name used from it (``torch._dynamo`` and ``disable``). The last are
@@ -113,8 +115,15 @@ def _dotted(node: ast.AST, bound: dict[str, str]) -> str | None:
     return None
 
 
-def accesses(path: Path, where: str, ours: set[str]) -> Iterator[Access]:
-    """Every access of ``path``'s source to a private name of another package."""
+def _on_self(node: ast.Attribute) -> bool:
+    return isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+
+
+def accesses(path: Path, where: str, ours: set[str],
+             ours_on_self: frozenset[str] = frozenset()) -> Iterator[Access]:
+    """Every access of ``path``'s source to a private name of another package.
+    ``ours_on_self``: names that are ours read on ``self``/``cls`` only (a framework object
+    has them too: on any other object they are taken to be its)."""
     tree = ast.parse(path.read_text(), str(path))
     bound = _imports(tree)
     named_by_call: set[int] = set()
@@ -134,7 +143,8 @@ def accesses(path: Path, where: str, ours: set[str]) -> Iterator[Access]:
             if dotted is not None:
                 found = _qualified(at, dotted)
                 yield from [found] if found else []
-            elif private(node.attr) and node.attr not in ours:
+            elif private(node.attr) and node.attr not in ours and not (
+                    node.attr in ours_on_self and _on_self(node)):
                 yield Access(at, node.attr)
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
               and node.func.id in _ATTRIBUTE_FUNCTIONS and len(node.args) > 1
