@@ -70,7 +70,9 @@ from .shared import (
     merge_precision,
     placeholder_optimizer,
     precision_explicit,
+    process_device,
     restore_hyperparameters,
+    sampler_kwargs,
     save_engine_checkpoint,
 )
 
@@ -302,6 +304,15 @@ class ZeroStrategy(DDPStrategy):
             count = _count_optimizers(model)
             if count is not None and count != 1:
                 raise ValueError(_one_optimizer_message(count))
+
+    # ------------------------------------------------------------------ devices and data
+    @property
+    def root_device(self) -> torch.device:
+        return process_device(self.parallel_devices, self.local_rank)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return sampler_kwargs(self.world_size, self.global_rank)
 
     # ------------------------------------------------------------------ model setup
     @contextmanager
