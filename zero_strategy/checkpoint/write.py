@@ -16,12 +16,6 @@ loadable, a failed save raises on every rank and leaves nothing behind, and the 
 clears what interrupted ones left. Loading (``read.py``, after ``verify.py``) maps
 every parameter range of the new layout onto the old shards that hold it, so a checkpoint
 loads on any world size and stage with no conversion step.
-
-The directory is normally one that every rank sees (one machine, a shared filesystem). A rank
-that does not see rank 0's temporary tag there (a node's own disk, or a directory of its own:
-what Ray Train's workers report from) writes its files into a tag of its own at the same path
-and publishes them there; each file has one writer (``own_shard_file``), so the union of the
-ranks' directories, as Ray Train merges the folders its workers report, is the checkpoint.
 """
 
 from __future__ import annotations
@@ -72,10 +66,6 @@ def shard_of(name: str) -> int | None:
     group's ranks are 0 .. k), every other file of a tag by rank 0."""
     match = _SHARD_FILE.fullmatch(name)
     return int(match.group(1)) if match else None
-
-
-SHARD_NAME = re.compile(r"shard-\d{5,}\.safetensors")
-"""What ``shard_file`` names: a file written by the rank holding that shard."""
 
 
 def tmp_name(tag: str) -> str:
@@ -169,8 +159,7 @@ def save(engine: EngineView, directory: str | os.PathLike, *, tag: str | None = 
     Every rank writes its files under ``.tmp-<tag>``; the ranks then agree that all writes
     succeeded before rank 0 publishes, so a failure anywhere (a full disk on one rank) makes
     every rank raise at once, naming the rank, with the partial files removed and ``latest``
-    unchanged. A rank that does not find rank 0's temporary tag in its ``directory`` writes
-    and publishes its own files there itself (module docstring).
+    unchanged.
     """
     comm = engine.comm
     root = Path(directory)
@@ -180,30 +169,23 @@ def save(engine: EngineView, directory: str | os.PathLike, *, tag: str | None = 
     tmp = root / tmp_name(tag)
     _agree(comm, root, tag, "preparing the directory",
            _attempt(lambda: _prepare(root, tmp)) if comm.rank == 0 else None)
-    # Rank 0's temporary tag is not here: this rank's directory is not rank 0's.
-    private = comm.rank != 0 and not tmp.is_dir()
     written: tuple[dict[str, Any], dict[str, Any], list[str]] = ({}, {}, [])
     error = None
     owned = _owned_states(engine)  # a collective: before anything a rank may fail in
     try:
-        if private:
-            tmp.mkdir(parents=True, exist_ok=True)
         written = _write_rank_files(engine, tmp, client_state, owned)
     except Exception as e:  # reported to every rank below, then re-raised here
         error = e
-    gathered = comm.all_gather_object((*written, _describe(error), private))
+    gathered = comm.all_gather_object((*written, _describe(error)))
     failed = [(r, part[3]) for r, part in enumerate(gathered) if part[3] is not None]
     if failed:
-        _abandon(comm, tmp, private)
+        _abandon(comm, tmp)
         raise _save_error(root, tag, failed) from error
     error = None
     if comm.rank == 0:
         error = _attempt(lambda: _finish(engine, root, tmp, tag, gathered,
                                          client_state is not None))
-    _agree(comm, root, tag, "publishing", error, cleanup=tmp, private=private)
-    if any(part[4] for part in gathered):  # some rank writes a directory of its own
-        _agree(comm, root, tag, "publishing its own directory",
-               _attempt(lambda: _publish_own(root, tmp, tag, written[0])) if private else None)
+    _agree(comm, root, tag, "publishing", error, cleanup=tmp)
     return root / tag
 
 
@@ -220,8 +202,10 @@ def _write_rank_files(engine: EngineView, tmp: Path, client_state: dict[str, Any
     for record in records.values():
         for info in record.get("whole", {}).values():
             info["shard"] = shard_index
-    name = own_shard_file(engine)
-    if name is not None:
+    # Under hybrid sharding every replica group holds the same shards: the first writes them.
+    first_replica = engine.replicas is None or engine.replicas.rank == 0
+    if first_replica and (engine.plan.optimizer_shards > 1 or comm.rank == 0):
+        name = shard_file(shard_index)
         files[name] = _save_tensors(tensors, tmp / name)
     if comm.rank == 0:
         files[MODULE_FILE] = _save_tensors(engine.unmanaged_state(), tmp / MODULE_FILE)
@@ -232,37 +216,11 @@ def _write_rank_files(engine: EngineView, tmp: Path, client_state: dict[str, Any
     return files, records, state_keys
 
 
-def own_shard_file(engine: EngineView) -> str | None:
-    """The shard file this rank writes, None where it writes none: with an unsharded
-    optimizer (stage 0) rank 0 writes the only one; under hybrid sharding every replica group
-    holds the same shards and the first writes them."""
-    if engine.replicas is not None and engine.replicas.rank != 0:
-        return None
-    if engine.plan.optimizer_shards > 1:
-        return shard_file(engine.shards.rank)
-    return shard_file(0) if engine.comm.rank == 0 else None
-
-
-def _publish_own(root: Path, tmp: Path, tag: str, files: dict[str, Any]) -> None:
-    """A rank whose directory is not rank 0's (``save``), once rank 0 has published: its own
-    files move into ``tag`` there (other ranks of its machine may share that directory and
-    move theirs beside them; the last one out removes the emptied temporary tag)."""
-    final = root / tag
-    final.mkdir(exist_ok=True)
-    for name in files:
-        if not (tmp / name).exists() and (final / name).exists():
-            continue  # the directory was rank 0's after all (a stale lookup): published by it
-        os.replace(tmp / name, final / name)
-    fsync_dir(final)
-    with contextlib.suppress(OSError):  # not empty yet: another rank's files are still in it
-        tmp.rmdir()
-
-
 def _finish(engine: EngineView, root: Path, tmp: Path, tag: str, gathered: list[Any],
             client: bool) -> None:
     """Rank 0, once every rank's files are written: the manifest, then publish."""
     merged: dict[str, Any] = {"files": {}, "param_states": {}, "state_keys": set()}
-    for part_files, part_states, part_keys, _, _ in gathered:
+    for part_files, part_states, part_keys, _ in gathered:
         merged["files"].update(part_files)
         merged["param_states"].update(part_states)
         merged["state_keys"].update(part_keys)
@@ -285,23 +243,20 @@ def _describe(error: BaseException | None) -> str | None:
 
 
 def _agree(comm: Any, root: Path, tag: str, step: str, error: str | None,
-           cleanup: Path | None = None, private: bool = False) -> None:
+           cleanup: Path | None = None) -> None:
     """Every rank learns whether ``step`` failed anywhere; all raise together."""
     failed = comm.failures(error)
     if failed:
         if cleanup is not None:
-            _abandon(comm, cleanup, private)
+            _abandon(comm, cleanup)
         raise _save_error(root, tag, failed, step)
 
 
-def _abandon(comm: Any, tmp: Path, private: bool = False) -> None:
-    """A failed save leaves nothing behind: rank 0 (and a rank writing a directory of its
-    own) removes the partial tag once every rank has stopped writing into it."""
+def _abandon(comm: Any, tmp: Path) -> None:
+    """A failed save leaves nothing behind: rank 0 removes the partial tag once every rank
+    has stopped writing into it."""
     if comm.rank == 0:
         _remove(tmp)
-    elif private:  # ranks of one machine may share it: whoever comes second finds less
-        with contextlib.suppress(OSError):
-            _remove(tmp)
     comm.barrier()
 
 
