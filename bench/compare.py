@@ -69,11 +69,26 @@ REGIMES = {
 # Every system, in the order pages list them (the others first, ours last), with the ZeRO
 # stage whose model-state formula it is compared with.
 SYSTEMS = {
-    "ddp": 0, "torch_zero1": 1, "fsdp2_zero2": 2, "fsdp2_zero3": 3,
+    "ddp": 0, "torch_zero1": 1, "fsdp2_zero2": 2, "fsdp2_zero3": 3, "fsdp2_hsdp": 3,
     "ds_zero1": 1, "ds_zero2": 2, "ds_zero3": 3,
+    "ds_zero3_hpz": 3, "ds_zero3_qwz": 3, "ds_zero3_qgz": 3,
     "zs_zero0": 0, "zs_zero1": 1, "zs_zero2": 2, "zs_zero3": 3,
     "zs_zero2_offload": 2, "zs_zero3_offload": 3,
+    "zs_zero3_int8": 3, "zs_zero3_hpz": 3, "zs_zero3_hpz_int8": 3, "zs_zero3_unchecked": 3,
 }
+# Systems across nodes (bench/cluster_bench.py): hybrid ones shard within a node of
+# LOCAL_WORLD_SIZE processes and replicate across nodes (FSDP2's HSDP, DeepSpeed's and our
+# hierarchical partitioning); the others are ZeRO++'s int8 weights (qwz) and gradients (qgz),
+# and ours without the gather-order check (what the check costs across a link).
+HYBRID = ("fsdp2_hsdp", "ds_zero3_hpz", "zs_zero3_hpz", "zs_zero3_hpz_int8")
+DS_OPTIONS = {"ds_zero3_hpz": {"zero_hpz_partition_size": "local"},
+              "ds_zero3_qwz": {"zero_quantized_weights": True},
+              "ds_zero3_qgz": {"zero_quantized_gradients": True}}
+ZS_OPTIONS = {"zs_zero3_int8": {"quantize_weights": "int8", "quantize_gradients": "int8"},
+              "zs_zero3_unchecked": {"check_gather_order": False},
+              "zs_zero3_hpz": {"shard_group_size": "local"},
+              "zs_zero3_hpz_int8": {"shard_group_size": "local", "quantize_weights": "int8",
+                                    "quantize_gradients": "int8"}}
 # What --matrix runs unless told: the systems of the README's table.
 MATRIX = ["ddp", "torch_zero1", "fsdp2_zero2", "fsdp2_zero3", "ds_zero1", "ds_zero2", "ds_zero3",
           "zs_zero1", "zs_zero2", "zs_zero3"]
@@ -263,17 +278,34 @@ def _ddp(model: Any, zero1: bool, variant: Variant) -> TorchSystem:
     return TorchSystem(wrapped, model, optimizer, optimizer.optim)
 
 
-def _fsdp2(model: Any, reshard: bool, variant: Variant) -> TorchSystem:
+def _local_size() -> int:
+    """Processes on this node (torchrun's LOCAL_WORLD_SIZE): a hybrid system's shard group."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def _resolved(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: _local_size() if v == "local" else v for k, v in options.items()}
+
+
+def _fsdp2(model: Any, reshard: bool, variant: Variant, hybrid: bool = False) -> TorchSystem:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = None
+    if hybrid:  # HSDP: replicate across nodes (dim 0), shard within one (dim 1)
+        local = _local_size()
+        mesh = init_device_mesh("cpu", (dist.get_world_size() // local, local),
+                                mesh_dim_names=("replicate", "shard"))
     for block in model.transformer.h:
-        fully_shard(block, reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
+        fully_shard(block, reshard_after_forward=reshard, mesh=mesh)
+    fully_shard(model, reshard_after_forward=reshard, mesh=mesh)
     optimizer = (variant.optimizer or adamw)(model)  # over the sharded parameters
     return TorchSystem(model, model, optimizer, optimizer)
 
 
-def _deepspeed(model: Any, stage: int, regime: Regime) -> DeepSpeedSystem:
+def _deepspeed(model: Any, stage: int, regime: Regime,
+               options: dict[str, Any] | None = None) -> DeepSpeedSystem:
     import deepspeed
 
     optimizer = {"type": "AdamW", "params": {
@@ -282,7 +314,8 @@ def _deepspeed(model: Any, stage: int, regime: Regime) -> DeepSpeedSystem:
         "torch_adam": True}}  # torch's AdamW, as everywhere else, not DeepSpeed's CPU op
     config = {"train_micro_batch_size_per_gpu": regime.batch, "gradient_accumulation_steps": 1,
               "gradient_clipping": CLIP, "optimizer": optimizer,
-              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9}
+              "zero_optimization": {"stage": stage, **_resolved(options or {})},
+              "steps_per_print": 10**9}
     engine, zero, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                               config=config)
     return DeepSpeedSystem(engine, zero)
@@ -295,6 +328,7 @@ def _zero_strategy(model: Any, name: str, variant: Variant) -> ZeroStrategySyste
     if name.endswith("_offload"):
         fields["offload_optimizer"] = True
         fields["offload_params"] = fields["stage"] == 3
+    fields.update(_resolved(ZS_OPTIONS.get(name, {})))
     optimizer = (variant.optimizer or adamw)(model)
     config = zs.ZeroConfig(**{**fields, **variant.zero_fields})
     return ZeroStrategySystem(zs.ZeroEngine(model, optimizer, config))
@@ -311,9 +345,10 @@ def build_system(name: str, model: Any, regime: Regime, variant: Variant) -> Any
     if name in ("ddp", "torch_zero1"):
         return _ddp(model, zero1=name == "torch_zero1", variant=variant)
     if name.startswith("fsdp2_"):
-        return _fsdp2(model, reshard=SYSTEMS[name] == 3, variant=variant)
+        return _fsdp2(model, reshard=SYSTEMS[name] == 3, variant=variant,
+                      hybrid=name in HYBRID)
     if name.startswith("ds_"):
-        return _deepspeed(model, SYSTEMS[name], regime)
+        return _deepspeed(model, SYSTEMS[name], regime, DS_OPTIONS.get(name))
     return _zero_strategy(model, name, variant)
 
 
@@ -339,24 +374,36 @@ def _maxrss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def train(system: Any, batches: Any, census_step: int) -> dict[str, Any]:
-    """Every step on this rank: loss, seconds, and the model-state bytes after the backward
-    of ``census_step`` (all three kinds exist then; that count is not timed)."""
+def train(system: Any, batches: Any, census_step: int, warmup: int) -> dict[str, Any]:
+    """Every step on this rank: loss, seconds (the whole step, and its forward+backward),
+    the model-state bytes after the backward of ``census_step`` (all three kinds exist
+    then; that count is not timed), and on a node of bench/cluster.py the bytes its link
+    carried over the steps after ``warmup``."""
     import torch.distributed as dist
+    from cluster import link_counters
 
-    losses, seconds, state = [], [], {}
+    losses, seconds, fwd_bwd, state, link = [], [], [], {}, None
     for i, x in enumerate(batches):
         dist.barrier()  # every rank starts the step together; the wait is not the step's
+        if i == warmup:
+            link = link_counters()
         start = time.perf_counter()
         system.zero_grad()
         losses.append(system.forward_backward(x))
         counted = time.perf_counter()
+        fwd_bwd.append(counted - start)
         if i == census_step:
             state = system.state_bytes()
         untimed = time.perf_counter() - counted
         system.step()
         seconds.append(time.perf_counter() - start - untimed)
-    return {"losses": losses, "step_s": seconds, "state_bytes": state}
+    dist.barrier()
+    end = link_counters()
+    out = {"losses": losses, "step_s": seconds, "fwd_bwd_s": fwd_bwd, "state_bytes": state}
+    if link is not None and end is not None:
+        out["link"] = {"node": int(os.environ.get("ZS_CLUSTER_NODE", "0")),
+                       **{k: end[k] - link[k] for k in end}}
+    return out
 
 
 def _versions() -> dict[str, str]:
@@ -379,7 +426,9 @@ def make_record(args: argparse.Namespace, variant: Variant, ranks: list[dict[str
     # 8 bytes per parameter), as the package computes it for its own reports.
     from zero_strategy import estimate_memory
 
-    formula = estimate_memory(n_params, stage=SYSTEMS[args.system], world_size=world).total_bytes
+    # a hybrid system shards over a node's processes, and its states are that group's
+    group = _local_size() if args.system in HYBRID else world
+    formula = estimate_memory(n_params, stage=SYSTEMS[args.system], world_size=group).total_bytes
     record = {
         "ok": True, "system": variant.name or args.system, "regime": args.regime,
         "precision": args.precision, "world_size": world, "n_params": n_params,
@@ -391,11 +440,19 @@ def make_record(args: argparse.Namespace, variant: Variant, ranks: list[dict[str
         "model_state_mib_rank0": {k: v / MIB for k, v in ranks[0]["state_bytes"].items()},
         "formula_mib": formula / MIB,
         "step_s": step_s,
+        "fwd_bwd_s": [max(r["fwd_bwd_s"][i] for r in ranks) for i in range(len(step_s))],
         "losses": [statistics.fmean(r["losses"][i] for r in ranks)
                    for i in range(len(ranks[0]["losses"]))],
         "peak_rss_delta_mib": [r["rss_delta_mib"] for r in ranks],
         "versions": _versions(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+    links = {r["link"]["node"]: r["link"] for r in ranks if "link" in r}
+    if links:  # per node and timed step; each direction's busiest node sets the link's time
+        steps = len(timed) or 1
+        record["link_bytes_per_step"] = {
+            "sent": max(v["sent"] for v in links.values()) / steps,
+            "received": max(v["received"] for v in links.values()) / steps,
+            "per_node": [links[k] for k in sorted(links)]}
     if variant.name:
         record["base_system"] = args.system
     return record | variant.extra
@@ -439,7 +496,8 @@ def run(args: argparse.Namespace, variant: Variant) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     steps = args.warmup + args.steps
     system = build_system(args.system, model, regime, variant)
-    mine = train(system, make_batches(regime, rank, steps), census_step=steps - 1)
+    mine = train(system, make_batches(regime, rank, steps), census_step=steps - 1,
+                 warmup=args.warmup)
     mine["rss_delta_mib"] = _maxrss_mib() - baseline
     for i, loss in enumerate(mine["losses"]):
         if not math.isfinite(loss):

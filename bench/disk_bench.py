@@ -13,9 +13,9 @@ its direct reads and writes beside them) over the bandwidth, and the floor "the 
 16 bytes per parameter (fp32 master, Adam's two moments, the gradient) read once at the
 measured read bandwidth plus 16 written once at the write bandwidth, with the disk step as a
 multiple of it. ``--tier disk --json out.json`` runs one side only (what the memory-cap test runs
-inside a cgroup). Every process builds the model on the meta device and the engine
-initialises it one unit at a time (transformers' ``_init_weights``), so no process ever holds
-a full copy of it.
+inside a cgroup); ``--precision 16-mixed`` trains under fp16 with its dynamic loss scale.
+Every process builds the model on the meta device and the engine initialises it one unit at a
+time (transformers' ``_init_weights``), so no process ever holds a full copy of it.
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ def train(tier: str, args: argparse.Namespace) -> dict:
     zero = zs.ZeroConfig(stage=3, offload_optimizer=tier, offload_params=tier,
                          offload_dir=args.offload_dir if disk else None,
                          activation_checkpointing=args.checkpointing,
-                         offload_activations=args.offload_activations or False)
+                         offload_activations=args.offload_activations or False,
+                         precision=args.precision)
     predicted = zs.estimate_activations(config, batch_size=1, seq_len=args.seq,
                                         checkpointing=args.checkpointing).as_dict()
     baseline = _resident()  # torch, transformers and the empty (meta) model
@@ -172,7 +173,7 @@ def _child(tier: str, args: argparse.Namespace) -> dict:
     out = Path(tempfile.mkdtemp()) / f"{tier}.json"
     cmd = [sys.executable, __file__, "--tier", tier, "--steps", str(args.steps),
            "--layers", str(args.layers), "--width", str(args.width), "--seq", str(args.seq),
-           "--json", str(out)]
+           "--precision", args.precision, "--json", str(out)]
     if args.offload_dir:
         cmd += ["--offload-dir", args.offload_dir]
     if args.checkpointing:
@@ -219,6 +220,9 @@ def main() -> None:
                         help="ZeroConfig(activation_checkpointing=True): each layer recomputed")
     parser.add_argument("--offload-activations", choices=["cpu", "disk"], default=None,
                         help="where the checkpointed layers' inputs rest (with --checkpointing)")
+    parser.add_argument("--precision", default="32-true",
+                        help="ZeroConfig.precision (16-mixed: the fp16 loss scale's unscale "
+                             "and non-finite check ride on the step's single read)")
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args()
     if args.tier is not None:
@@ -229,8 +233,8 @@ def main() -> None:
         result = {"cpu": cpu, "disk": disk, "bandwidth": bw,
                   "summary": summary(cpu, disk, bw, args.warmup)}
         s = result["summary"]
-        print(f"GPT-2 {disk['params'] / 1e6:.1f} M params, N=1, stage 3, {args.steps} steps "
-              f"({args.warmup} untimed)")
+        print(f"GPT-2 {disk['params'] / 1e6:.1f} M params, N=1, stage 3, {args.precision}, "
+              f"{args.steps} steps ({args.warmup} untimed)")
         print(f"  'cpu' offload step:           {s['cpu_step_s']:.2f} s")
         print(f"  bytes / bandwidth:            {s['io_bound_s']:.2f} s  (read "
               f"{s['read_bytes_per_step'] / 2**30:.2f} GiB at {s['read_GBps']:.2f} GB/s, write "

@@ -1,8 +1,9 @@
-"""Per-rank memory of a training job's life: loading a pretrained folder, the first training
-step and saving the model, for ours beside two anchors.
+"""Per-rank memory of a training job's life: loading a pretrained folder, the first steps
+(forward, backward, optimizer step) and saving the model, for ours beside two anchors and for
+the freezing patterns users choose, with the bound ``engine.phase_bounds()`` states for ours.
 
-A dense GPT-2 (168M parameters) and a Qwen3-MoE model (~130M) are built from configs (seeded)
-and written with ``save_pretrained``; each (model, N, system) is then one
+A dense GPT-2 (168M parameters) and a Qwen3-MoE model (~135M) are built from configs (seeded)
+and written with ``save_pretrained``; each (model, N, system, pattern) is then one
 ``torch.distributed.run`` of this script's worker mode on N CPU processes (gloo, fp32):
 
 - ``zs_zero3``: ``zero_strategy.transformers.from_pretrained`` (streamed into the shards),
@@ -12,16 +13,23 @@ and written with ``save_pretrained``; each (model, N, system) is then one
   (stage 3, ``stage3_gather_16bit_weights_on_model_save: true``), so it loads inside
   ``deepspeed.zero.Init``; ``DS_ACCELERATOR=cpu``.
 
+Patterns (``bench/phase_memory.py``, where they are defined for both families): ``full``;
+``head`` (the final norm, and the MoE's untied ``lm_head``); ``first_block`` (backward
+crosses every frozen block); ``lora_all`` (PEFT LoRA r=8 on every block's attention, the
+model loaded whole: the streamed load does not follow PEFT's renames). Ours runs every
+pattern given; the anchors those of ``--anchor-patterns``.
+
 Each rank measures its resident memory (``/proc/self/status``) around each phase, resetting
 the kernel's high-water mark (``VmHWM``, through ``/proc/self/clear_refs``) when a phase
-starts: the phase's growth is its peak less the RSS when it began (for loading: less the RSS
-after imports and process-group set-up). A system that fails is a row with its error::
+starts: a phase's growth is its peak less the RSS when it began (for loading: less the RSS
+after imports and process-group set-up), the largest over the steps. A system that fails is
+a row with its error::
 
     MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 \\
-        python bench/lifecycle_bench.py \\
-        --json bench/results/lifecycle-<date>.json [--models dense,moe] [--worlds 2,3]
+        python bench/lifecycle_bench.py --json bench/results/lifecycle-<date>.json \\
+        --page docs/performance/lifecycle-<date>.md [--models dense,moe] [--worlds 2,3]
 
-bench/README.md ("A job's life: load, first step, save") says what every figure means.
+bench/README.md ("A job's life") says what every figure means.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import phase_memory as pm
 from trainer_bench import _last_error, _versions, deepspeed_zero3, run_workers, write_results
 
 SEED = 1234
@@ -45,8 +54,9 @@ EXTRA = ("zs_zero3_whole",)
 """Not run by default: ``Model.from_pretrained`` then ``ZeroTrainer`` at stage 3, ours where
 the folder cannot be streamed (the load then holds the whole model, as the anchors do)."""
 MODELS = ("dense", "moe")
-PHASES = ("load", "step", "save")
-SEQ, BATCH = 32, 1  # tokens per row, rows per rank: activations stay small beside the model
+PATTERNS = ("full", "head", "first_block", "lora_all")
+PHASES = pm.PHASES
+SEQ, BATCH, STEPS = 32, 1, 2  # tokens per row, rows per rank, steps: activations stay small
 
 
 # -- the models ---------------------------------------------------------------------------------
@@ -90,14 +100,15 @@ def save_model(kind: str, folder: Path) -> int:
 
 # -- the parent ---------------------------------------------------------------------------------
 
-def launch(system: str, kind: str, world: int, folder: Path, opts: argparse.Namespace) -> dict:
-    out = Path(tempfile.mkdtemp(prefix=f"{kind}_n{world}_{system}_", dir=opts.workdir))
+def launch(system: str, kind: str, world: int, pattern: str, folder: Path,
+           opts: argparse.Namespace) -> dict:
+    out = Path(tempfile.mkdtemp(prefix=f"{kind}_n{world}_{system}_{pattern}_", dir=opts.workdir))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node", str(world), __file__, "--worker", system, "--kind", kind,
-               "--model", str(folder), "--out", str(out)]
+               "--pattern", pattern, "--model", str(folder), "--out", str(out)]
     start = time.perf_counter()
     log, rc, ranks = run_workers(command, out, opts.timeout)
-    row: dict[str, Any] = {"system": system, "model": kind, "world": world}
+    row: dict[str, Any] = {"system": system, "model": kind, "world": world, "pattern": pattern}
     errors = [r["error"] for r in ranks if "error" in r]
     if errors:
         row["error"] = errors[0]
@@ -106,39 +117,48 @@ def launch(system: str, kind: str, world: int, folder: Path, opts: argparse.Name
     if ranks and not errors:
         row["ranks"] = ranks
     row["wall_s"] = round(time.perf_counter() - start, 1)
-    print(f"{kind} N={world} {system}: {row.get('error', 'ok')} ({row['wall_s']:.0f} s, "
-          f"log {out}/log.txt)", flush=True)
+    print(f"{kind} N={world} {system} {pattern}: {row.get('error', 'ok')} "
+          f"({row['wall_s']:.0f} s, log {out}/log.txt)", flush=True)
     return row
 
 
 def summarize(row: dict, model_mib: float) -> dict:
-    """Each phase's largest growth over ranks, and that growth less 1/N of the model: what a
-    rank grows by beyond its share (the issue's bound is on this excess)."""
+    """Each phase's largest growth over ranks, beside the largest bound (ours)."""
     if "ranks" not in row:
         return row
-    share = model_mib / row["world"]
     for phase in PHASES:
-        growth = [r[phase]["growth_mib"] for r in row["ranks"] if phase in r]
-        if growth:
-            row[f"{phase}_growth_mib"] = [round(g) for g in growth]
-            row[f"{phase}_excess_mib"] = round(max(growth) - share)
-    row["model_mib"], row["share_mib"] = round(model_mib), round(share)
+        row[f"{phase}_growth_mib"] = round(max(r["growth"][phase] for r in row["ranks"]))
+        bounds = [r["bound"][phase] for r in row["ranks"] if r.get("bound")]
+        if bounds:
+            row[f"{phase}_bound_mib"] = round(max(bounds))
+    row["over"] = [p for p in PHASES if row.get(f"{p}_bound_mib") is not None
+                   and row[f"{p}_growth_mib"] > row[f"{p}_bound_mib"]]
+    row["model_mib"], row["share_mib"] = round(model_mib), round(model_mib / row["world"])
+    row["trainable_mib"] = round(row["ranks"][0]["trainable"] * 4 / 2**20)
     return row
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | N | system | 1/N of model, MiB | load: growth per rank, MiB | "
-             "first step | save | largest growth less 1/N: load / step / save "
-             "| whole job: peak above the baseline (largest rank) | first loss | error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | N | system | pattern | trains, MiB | load | forward | backward | step "
+             "| save | whole job: peak above the baseline | first loss | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        cells = [" / ".join(str(g) for g in r.get(f"{p}_growth_mib", [])) or "-"
-                 for p in PHASES]
-        excess = " / ".join(str(r.get(f"{p}_excess_mib", "-")) for p in PHASES)
-        lines.append(f"| {r['model']} | {r['world']} | `{r['system']}` | {r.get('share_mib', '-')} "
-                     f"| {' | '.join(cells)} | {excess} | {_job_peak(r)} | {_loss(r)} "
-                     f"| {r.get('error', '')} |")
+        cells = [_cell(r, p) for p in PHASES]
+        lines.append(f"| {r['model']} | {r['world']} | `{r['system']}` | {r['pattern']} "
+                     f"| {r.get('trainable_mib', '-')} | {' | '.join(cells)} | {_job_peak(r)} "
+                     f"| {_loss(r)} | {r.get('error', '')} |")
     return "\n".join(lines)
+
+
+def _cell(row: dict, phase: str) -> str:
+    """The largest growth over ranks, and for ours "/ bound" (bold where over it)."""
+    growth = row.get(f"{phase}_growth_mib")
+    if growth is None:
+        return "-"
+    bound = row.get(f"{phase}_bound_mib")
+    if bound is None:
+        return str(growth)
+    return f"**{growth} / {bound}**" if growth > bound else f"{growth} / {bound}"
 
 
 def _job_peak(row: dict) -> str:
@@ -146,8 +166,7 @@ def _job_peak(row: dict) -> str:
     holding the whole model somewhere shows it here even if it grew at another phase."""
     if "ranks" not in row:
         return "-"
-    return str(round(max(max(r[p]["peak_mib"] for p in PHASES if p in r) - r["base_rss_mib"]
-                         for r in row["ranks"])))
+    return str(round(max(r["job_peak_mib"] for r in row["ranks"])))
 
 
 def _loss(row: dict) -> str:
@@ -159,83 +178,41 @@ def _loss(row: dict) -> str:
 def page(result: dict) -> str:
     notes = "".join(f"- Note: {n}\n" for n in result["notes"])
     p = result["params"]
-    return f"""# A job's life: load, first step, save ({result['date'][:10]})
+    load = result["load_average"]
+    return f"""# A job's life: load, first steps, save, by freezing pattern ({result['date'][:10]})
 
-Per-rank peak memory growth of each phase of a Trainer job (`bench/lifecycle_bench.py`; what
-every figure means: `bench/README.md`, "A job's life").
+Per-rank peak memory growth of each phase of a Trainer job, with the bound
+`engine.phase_bounds()` states for ours (`bench/lifecycle_bench.py`; what every figure means:
+`bench/README.md`, "A job's life").
 
 - Command: `{result['command']}`
 - Date: {result['date']}. Machine: the 2-core development machine, N processes with one
-  thread each (`OMP_NUM_THREADS=1`), gloo, fp32, CPU; **shared with other jobs while it ran**
-  (1-minute load average {result['load_average'][0]} at the start,
-  {result['load_average'][1]} at the end): memory figures are the point, wall times are not
-  reported. {result['versions']}.
+  thread each (`OMP_NUM_THREADS=1`), gloo, fp32, CPU, `MALLOC_MMAP_THRESHOLD_=65536` (freed
+  buffers of 64 KiB and more go back to the system at once, so each phase's growth is its
+  own). 1-minute load average {load[0]} at the start, {load[1]} at the end (other jobs
+  shared the machine): memory figures are the point, wall times are not reported.
+  {result['versions']}.
 - Run time: {result['minutes']} min.
 {notes}
 Models: dense GPT-2 (12 layers, width 1024, vocab 16384, tied: {p.get('dense', 0) / 1e6:.0f}M
-parameters, {p.get('dense', 0) * 4 / 2**20:.0f} MiB); MoE Qwen3-MoE (6 layers of 16 experts,
-2 per token, width 512, vocab 16384: {p.get('moe', 0) / 1e6:.0f}M parameters,
-{p.get('moe', 0) * 4 / 2**20:.0f} MiB). Both saved with `save_pretrained`, then trained one
-step (AdamW, {result['batch_per_rank']} row of {result['seq']} tokens per rank) and saved
-with `trainer.save_model`.
+parameters, {p.get('dense', 0) * 4 / 2**20:.0f} MiB); MoE Qwen3-MoE (6 layers of 16 fused
+experts, 2 per token, width 512, vocab 16384, untied: {p.get('moe', 0) / 1e6:.0f}M parameters,
+{p.get('moe', 0) * 4 / 2**20:.0f} MiB). Both saved with `save_pretrained`, then trained
+{result['steps']} steps (AdamW, {result['batch_per_rank']} row of {result['seq']} tokens per
+rank, clipping at 1.0) and saved with `trainer.save_model`.
 
-Growth per rank (rank 0 first), MiB: load is the peak from the end of imports and process-group
-set-up to Trainer's `on_train_begin` (model loaded, wrapped, optimizer built); the first step
-the peak of step 1 above the RSS it began with (gradients and the optimizer's states appear
-here); save the peak of `save_model` above the RSS it began with.
+Largest growth over ranks, MiB; for ours "growth / bound" (**bold** where over): load from
+the end of imports and process-group set-up to Trainer's `on_train_begin` (model loaded,
+wrapped, optimizer built); forward (`compute_loss`), backward (`accelerator.backward`; under
+DeepSpeed this includes its optimizer step, which Accelerate runs there) and step (from there
+to `on_step_end`: clipping, the optimizer, the schedule), each the largest over the steps;
+save the streamed `save_model`. "trains": the trainable parameters' fp32 bytes.
 
 {table(result['rows'])}
 """
 
 
 # -- the worker ---------------------------------------------------------------------------------
-
-def _status_mib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        return next(int(ln.split()[1]) for ln in f if ln.startswith(field + ":")) / 1024
-
-
-class Phases:
-    """Each phase's peak (VmHWM since the phase began) and RSS at its start and end."""
-
-    def __init__(self) -> None:
-        self.record: dict[str, Any] = {}
-        self._start = self.base = _status_mib("VmRSS")
-        self._reset()
-
-    @staticmethod
-    def _reset() -> None:
-        # "5" resets the peak resident set size (VmHWM) to the current RSS (proc(5)).
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-
-    def begin(self) -> None:
-        self._start = _status_mib("VmRSS")
-        self._reset()
-
-    def end(self, phase: str, since_base: bool = False) -> None:
-        peak, now = _status_mib("VmHWM"), _status_mib("VmRSS")
-        start = self.base if since_base else self._start
-        self.record[phase] = {"growth_mib": peak - start, "start_mib": start - self.base,
-                              "held_mib": now - self.base, "peak_mib": peak}
-        self.begin()
-
-
-def phase_callback(phases: Phases) -> Any:
-    """Loading ends when Trainer begins training (the model is wrapped and the optimizer
-    built, DeepSpeed's engine included); the first step ends at the first on_step_end."""
-    from transformers import TrainerCallback
-
-    class Marks(TrainerCallback):
-        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            phases.end("load", since_base=True)
-
-        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            if "step" not in phases.record:
-                phases.end("step")
-
-    return Marks()
-
 
 def token_rows(vocab: int, rows: int) -> Any:
     import torch
@@ -262,53 +239,63 @@ def arguments(system: str, out: Path) -> Any:
     if system == "deepspeed_zero3":
         extra["deepspeed"] = deepspeed_zero3(stage3_gather_16bit_weights_on_model_save=True)
     return TrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=1, learning_rate=1e-4,
-        max_grad_norm=1.0, optim="adamw_torch", report_to=[], save_strategy="no", seed=SEED,
-        use_cpu=True, ddp_backend="gloo", disable_tqdm=True, logging_steps=1, **extra)
+        output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS,
+        learning_rate=1e-4, max_grad_norm=1.0, optim="adamw_torch", report_to=[],
+        save_strategy="no", seed=SEED, use_cpu=True, ddp_backend="gloo", disable_tqdm=True,
+        logging_steps=1, **extra)
 
 
-def load(system: str, kind: str, folder: Path) -> Any:
-    cls = model_class(kind)
-    if system == "zs_zero3":
-        from zero_strategy.transformers import from_pretrained
-        return from_pretrained(cls, folder).train()
-    # Under deepspeed_zero3 the TrainingArguments built before make this load inside
-    # deepspeed.zero.Init (partitioned as it loads): DeepSpeed's own streamed loading.
-    return cls.from_pretrained(folder).train()
+def activations(kind: str, model: Any, engine: Any) -> int:
+    """The activations term: the formula for GPT-2; for the MoE (no formula covers it) what
+    the engine measured of the first training forward, plus the logits' gradient."""
+    if kind == "dense":
+        from zero_strategy import estimate_activations
+        return estimate_activations(model.config, batch_size=BATCH, seq_len=SEQ).peak_bytes
+    saved = engine.memory_report()["activation_bytes"] or 0
+    return saved + 2 * BATCH * SEQ * model.config.vocab_size * 4
 
 
-def worker(system: str, kind: str, folder: Path, out: Path) -> dict:
+def worker(system: str, kind: str, pattern: str, folder: Path, out: Path) -> dict:
     import torch.distributed as dist
     import transformers
     from transformers import Trainer
 
     transformers.logging.set_verbosity_error()
-    model_class(kind)
+    cls = model_class(kind)
     if system == "deepspeed_zero3":
         import deepspeed  # noqa: F401
-    else:
-        import zero_strategy.transformers  # noqa: F401
+    import peft  # noqa: F401
+
+    import zero_strategy.transformers  # noqa: F401
     args = arguments(system, out / "trainer")
     args.device  # noqa: B018  (the process group, before the baseline)
-    phases = Phases()
-    model = load(system, kind, folder)
-    kwargs = {"model": model, "args": args, "callbacks": [phase_callback(phases)],
-              "train_dataset": token_rows(model.config.vocab_size, args.world_size * BATCH)}
+    run = pm.Run(pattern)
+    run.meter.start(collect=True)
+    base = run.meter.at
+    # Under deepspeed_zero3 the TrainingArguments built before make this load inside
+    # deepspeed.zero.Init (partitioned as it loads): DeepSpeed's own streamed loading.
+    model = pm.load_model(pattern, folder, cls=cls, streamed=system == "zs_zero3")
+    kwargs = {"model": model, "args": args,
+              "train_dataset": token_rows(model.config.vocab_size, args.world_size * BATCH * STEPS)}
     if system.startswith("zs_zero3"):
         from zero_strategy.transformers import ZeroPlugin, ZeroTrainer
         trainer = ZeroTrainer(zero_plugin=ZeroPlugin(stage=3), **kwargs)
     else:
         trainer = Trainer(**kwargs)
+    pm.watch(run, trainer)
     trainer.train()
+    if system.startswith("zs_zero3"):
+        engine = trainer.zero_engine
+        run.bound(engine, activations(kind, model, engine),
+                  loaded_whole=pattern.startswith("lora") or system == "zs_zero3_whole")
     dist.barrier()
-    phases.begin()
+    run.meter.start(collect=True)
     trainer.save_model(str(out / "saved"))
     dist.barrier()
-    phases.end("save")
-    saved = sum(f.stat().st_size for f in (out / "saved").glob("*.safetensors"))
-    loss = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {**phases.record, "base_rss_mib": phases.base, "saved_mib": saved / 2**20,
-            "loss": loss[0] if loss else None}
+    run.meter.stop("save")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {**run.record(), "job_peak_mib": round(run.meter.peak - base, 1),
+            "trainable": trainable, "loss": run.losses[0] if run.losses else None}
 
 
 # -- main ---------------------------------------------------------------------------------------
@@ -319,6 +306,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--worlds", default="2,3")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"of {', '.join(SYSTEMS + EXTRA)}")
+    p.add_argument("--patterns", default=",".join(PATTERNS),
+                   help="freezing patterns of ours (bench/phase_memory.py names them)")
+    p.add_argument("--anchor-patterns", default="full",
+                   help="freezing patterns of ddp and deepspeed_zero3")
     p.add_argument("--timeout", type=int, default=400, help="seconds per launch")
     p.add_argument("--workdir", default=None, help="where models and logs go (a temp folder)")
     p.add_argument("--json", type=Path, help="write every row as JSON")
@@ -327,6 +318,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--note", action="append", default=[])
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--kind", help=argparse.SUPPRESS)
+    p.add_argument("--pattern", help=argparse.SUPPRESS)
     p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     return p.parse_args()
@@ -334,7 +326,7 @@ def parse() -> argparse.Namespace:
 
 def run_worker(opts: argparse.Namespace) -> None:
     try:
-        record = worker(opts.worker, opts.kind, opts.model, opts.out)
+        record = worker(opts.worker, opts.kind, opts.pattern, opts.model, opts.out)
     except Exception as e:  # recorded, so the table says why a system did not run
         traceback.print_exc()
         record = {"error": f"{type(e).__name__}: {e}".replace("\n", " ")[:400]}
@@ -357,15 +349,18 @@ def main() -> None:
         params[kind] = save_model(kind, folder)
         for world in [int(n) for n in opts.worlds.split(",")]:
             for system in [s for s in opts.systems.split(",") if s]:
-                row = launch(system, kind, world, folder, opts)
-                rows.append(summarize(row, params[kind] * 4 / 2**20))
+                patterns = opts.patterns if system.startswith("zs") else opts.anchor_patterns
+                for pattern in [q for q in patterns.split(",") if q]:
+                    row = launch(system, kind, world, pattern, folder, opts)
+                    rows.append(summarize(row, params[kind] * 4 / 2**20))
     print(table(rows))
     minutes = (time.perf_counter() - start) / 60
     print(f"run time {minutes:.1f} min")
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": command,
               "versions": _versions(), "params": params, "minutes": round(minutes, 1),
               "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)],
-              "notes": opts.note, "seq": SEQ, "batch_per_rank": BATCH, "rows": rows}
+              "notes": opts.note, "seq": SEQ, "batch_per_rank": BATCH, "steps": STEPS,
+              "rows": rows}
     write(opts, result)
     return None
 

@@ -1,5 +1,6 @@
 """The ``zero-strategy`` console command: consolidate checkpoints, print the memory formula
-(model states, and with a model's config the activations of a micro-batch)."""
+(model states, and with a model's config the activations of a micro-batch), and predict a
+step's bytes and time across the links between nodes."""
 
 from __future__ import annotations
 
@@ -155,6 +156,55 @@ def _print_model_states(args: argparse.Namespace) -> int:
     return 0
 
 
+def _link(args: argparse.Namespace) -> int:
+    from .perf.steptime import Rates
+    from .perf.variants import predict_variants
+
+    try:
+        model, params = None, args.params
+        if args.model_config:
+            config, _ = _load_model_config(args.model_config)
+            model, params = _meta_model(config), None
+        elif params is None:
+            raise ValueError("--params is required without --model-config")
+        compute = _compute_seconds(args, params if model is None else
+                                   sum(p.numel() for p in model.parameters()))
+        rates = Rates(args.link_gbps * 1e9 / 8 * args.link_efficiency, compute,
+                      args.optimizer_s, args.codec_s)
+        rows = predict_variants(args.nodes, args.per_node, rates, params=params, model=model,
+                                precision=args.precision, backend=args.backend)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.nodes} nodes x {args.per_node} processes, {args.backend}, {args.precision}; "
+          f"link {args.link_gbps:g} Gbit/s each way ({rates.link_bytes_per_s / 1e6:.0f} MB/s "
+          f"of payload), forward+backward {compute:.3f} s, optimizer {args.optimizer_s:.3f} s "
+          "on the whole model")
+    print(f"{'':<62}{'MB/step':>9}{'link s':>9}{'step s':>9}{'floor s':>9}{'x floor':>9}")
+    for variant, p in rows:
+        print(f"{variant.label:<62}{p.link_bytes / 1e6:>9.1f}{p.link_s:>9.3f}"
+              f"{p.step_s:>9.3f}{p.floor_s:>9.3f}{p.step_s / p.floor_s:>9.2f}")
+    print("MB/step: bytes leaving a node per step (the same arrive); floor: optimizer + "
+          "max(link, forward+backward), everything overlapped (docs/multi-node.md)")
+    return 0
+
+
+def _meta_model(config: Any) -> Any:
+    from .integrations.hf.model_config import build_meta_model
+
+    return build_meta_model(config, FAMILIES[config.model_type])
+
+
+def _compute_seconds(args: argparse.Namespace, params: int) -> float:
+    """--compute-s as given, or 6 x parameters x tokens / --tflops (8 x with
+    --recompute): the forward and backward of one micro-batch on one process."""
+    if args.compute_s is not None:
+        return args.compute_s
+    if args.tflops is None or args.tokens is None:
+        raise ValueError("give --compute-s (measured), or --tflops and --tokens")
+    return (8 if args.recompute else 6) * params * args.tokens / (args.tflops * 1e12)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zero-strategy", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -204,6 +254,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where training runs: dropout masks and attention save differently "
                    "(the cpu figures are measured, the cuda ones argued from the kernels)")
     e.set_defaults(func=_estimate)
+    k = sub.add_parser(
+        "link", help="bytes and time of a step across the links between nodes, per stage "
+        "and option", description="Predict, per ZeRO stage and option (int8 weights and "
+        "gradients, shard_group_size), the bytes that cross each node's link per step and "
+        "the step's time from the link's rate and a measured or given compute rate "
+        "(zero_strategy.perf; what it leaves out: docs/multi-node.md).")
+    k.add_argument("--params", type=_parse_count, help="e.g. 124M, 7B")
+    k.add_argument("--model-config", help="a transformers config.json (or its directory): "
+                   "the engine's units of that model, counted on the meta device")
+    k.add_argument("--nodes", type=int, required=True)
+    k.add_argument("--per-node", type=int, required=True, help="processes (GPUs) per node")
+    k.add_argument("--link-gbps", type=float, required=True,
+                   help="each node's link, Gbit/s each way")
+    k.add_argument("--link-efficiency", type=float, default=0.94,
+                   help="payload share of the line rate (TCP over 1500-byte Ethernet: 0.94)")
+    k.add_argument("--compute-s", type=float,
+                   help="forward+backward of one micro-batch on one process, measured")
+    k.add_argument("--tflops", type=float, help="or: what one process sustains, TFLOP/s")
+    k.add_argument("--tokens", type=int, help="with --tflops: tokens per micro-batch")
+    k.add_argument("--recompute", action="store_true",
+                   help="with --tflops: activation checkpointing (8 instead of 6 FLOPs per "
+                   "parameter and token)")
+    k.add_argument("--optimizer-s", type=float, default=0.0,
+                   help="the optimizer step over the whole model on one process")
+    k.add_argument("--codec-s", type=float, default=0.0,
+                   help="one int8 encode or decode over the model's element count")
+    k.add_argument("--precision", default="32-true", choices=PRECISIONS)
+    k.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
+    k.set_defaults(func=_link)
     return parser
 
 

@@ -57,6 +57,6 @@ def test_damaged_checkpoints_name_the_problem(worlds: dict) -> None:
     assert "shard-00001.safetensors: missing" in out["missing"]
     msg = out["other_model"]
     assert "different model" in msg and "damaged-other_model" in msg
-    assert "12 trainable parameters of this model missing from the checkpoint" in msg
-    assert "checkpoint parameters this model does not train (e.g. transformer." in msg
+    assert "12 sharded parameters of this model missing from the checkpoint" in msg
+    assert "checkpoint parameters this model does not have (e.g. transformer." in msg
     assert "manifest.json" in out["no_manifest"]

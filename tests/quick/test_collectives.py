@@ -187,6 +187,12 @@ def test_int8_all_gather_is_within_half_a_step_and_the_same_everywhere(
         assert r["bytes"] == r["expected_bytes"], "int8 payload plus one fp32 scale per block"
 
 
+def test_int8_all_reduce_is_within_two_quantizations(world: tuple[int, dict]) -> None:
+    for r in check(world[1]["int8_all_reduce_within_two_quantizations"]):
+        assert r["worst_over_bound"] <= 1.0, r
+        assert r["same"], "ranks ended with different sums"
+
+
 def test_int8_reduce_scatter_is_within_the_peers_half_steps(world: tuple[int, dict]) -> None:
     for r in check(world[1]["int8_reduce_scatter_within_the_peers_steps"]):
         assert r["worst_over_bound"] <= 1.0, r

@@ -14,10 +14,12 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.mark.parametrize("name", ["parity_stage2", "parity_stage3", "parity_stage3_accumulate",
-                                  "parity_stage3_bf16", "parity_stage3_mapped"])
+                                  "parity_stage3_bf16", "parity_stage3_mapped",
+                                  "parity_stage2_fp16", "parity_stage3_fp16"])
 def test_disk_tier_equals_host_tier_bit_for_bit(world: dict, name: str) -> None:
     """Only where the bytes rest differs, so every loss, weight and gradient norm is equal:
-    clipping from the summaries taken at reduction, deferred into the step, included; with
+    clipping from the summaries taken at reduction, deferred into the step, included, and
+    under fp16 the unscale deferred too (the summaries are of the unscaled gradient); with
     direct I/O where the filesystem takes it, and with file mappings alone ("mapped")."""
     for r in check(world[name]):
         assert r["direct"] == (r["direct_here"] and not name.endswith("mapped"))
@@ -31,18 +33,24 @@ def test_disk_tier_equals_host_tier_bit_for_bit(world: dict, name: str) -> None:
         assert r["predicted_disk_bytes"] <= r["disk_bytes"] <= 1.1 * r["predicted_disk_bytes"]
 
 
-@pytest.mark.parametrize("keep", [True, False], ids=["kept", "unkept"])
-def test_disk_tier_reads_what_the_units_need(world: dict, keep: bool) -> None:
+@pytest.mark.parametrize("name", ["kept", "unkept", "kept_fp16"])
+def test_disk_tier_reads_what_the_units_need(world: dict, name: str) -> None:
     """Per step, the tier reads exactly the units' files that are not in memory: every
     gathered shard in forward and again in backward (but the root's), every file of the
     step, less what the last units of one phase left resident for the next (the tier's
     count of reused bytes, which must be real savings); a step skipped for a NaN gradient
-    reads no optimizer file. What stays resident never exceeds a budget fixed by the two
-    largest units, and the losses and weights stay the host tier's bit for bit."""
-    for r in check(world[f"streaming_{'kept' if keep else 'unkept'}"]):
+    (on rank 0 alone, skipped on both) reads no optimizer file. So under fp16 the unscale
+    and the non-finite check read no gradient file: each is read once a step, by the step.
+    What stays resident never exceeds a budget fixed by the two largest units, and the
+    losses, weights and loss scaler stay the host tier's bit for bit."""
+    keep = name.startswith("kept")
+    for r in check(world[f"streaming_{name}"]):
         assert r["losses_equal"] and r["weights_equal"]
         assert r["skipped"] == 1 and [s["stepped"] for s in r["steps"]] == [
             True, True, False, True, True]
+        host, disk = r["scalers"]
+        assert host == disk and (disk is None) == (not name.endswith("fp16"))
+        assert disk is None or disk["skipped_steps"] == 1
         if not r["direct"]:
             pytest.skip("the filesystem refuses O_DIRECT: nothing is read or kept directly")
         assert r["keep_bytes"] == (r["budget"] if keep else 0)

@@ -29,12 +29,12 @@ def test_groups_of_one_rank_match_ddp(world4: dict) -> None:
 
 
 def test_hybrid_with_int8_gradients_tracks_ddp(world4: dict) -> None:
-    """int8 reduce-scatter inside the groups, fp32 all-reduce across them, against DDP (SGD
-    with momentum, 6 steps). Each reduced element is off by up to half its block's step
-    (max|block| / 254), which for a small gradient sharing a block with large ones is large
-    relative to it: measured 8.6e-3 of a tensor's largest weight, 1.3e-2 for int8 over the
-    4 ranks without groups. 3e-2 bounds that; a reduction that leaves out the other group's
-    gradients is off by 0.51."""
+    """int8 reduce-scatter inside the groups and int8 all-reduce across them (ZeRO++'s qgZ),
+    against DDP (SGD with momentum, 6 steps). Each reduced element is off by up to half its
+    block's step (max|block| / 254), which for a small gradient sharing a block with large
+    ones is large relative to it: measured 8.6e-3 of a tensor's largest weight, 1.3e-2 for
+    int8 over the 4 ranks without groups. 3e-2 bounds that; a reduction that leaves out the
+    other group's gradients is off by 0.51."""
     for r in check(world4["hybrid_parity_int8_stage3"]):
         assert r["rel"] <= 3e-2 and r["moved"] > 1e-3, r["rel"]
 
@@ -52,6 +52,12 @@ def test_traffic_within_and_across_groups(world4: dict) -> None:
                                                         rel=0.05)
         assert flat["total"] == pytest.approx(3 * 3 / 4 * 4 * flat["padded_numel"], rel=0.05)
         assert "across_groups" not in flat
+        # int8 across groups (qgZ): a reduce-scatter and an all-gather of the shard as int8
+        # with one fp32 scale per 256 values: 1/2 + 1/2 of it at 1 + 4/256 bytes a value,
+        # where the fp32 all-reduce sends 4 bytes a value.
+        q8 = r["hybrid_int8"]
+        assert q8["across_groups"] == pytest.approx(q8["int8_crossing_numel"] * (1 + 4 / 256),
+                                                    rel=0.02), q8
         # Model states: sharded over the group of 2, as the formula says for 2 ranks.
         mem = hybrid["memory"]
         assert mem["world_size"] == 4

@@ -15,7 +15,9 @@ def test_layout_shards_cover_every_element_once() -> None:
     for shards in (1, 2, 3, 5):
         layout = make_layout(entries, shards)
         assert layout.padded_numel % shards == 0 and layout.padded_numel >= layout.numel
-        assert [s.group for s in layout.slots] == [0, 0, 1]  # grouped by optimizer group
+        # In the order given, whatever the groups: a frozen parameter (group -1) that joins
+        # a group later changes its slot's group, not where anything lies.
+        assert [(s.name, s.group) for s in layout.slots] == [("a", 0), ("b", 1), ("c", 0)]
         assert all(s.offset % ALIGN_ELEMENTS == 0 for s in layout.slots)
         # Every rank's shard starts aligned (fused kernels, nccl), with less than one
         # alignment of padding per rank beyond the even split.
@@ -64,3 +66,12 @@ def test_formula_offload_moves_optimizer_to_host() -> None:
         assert cpu == zs.estimate_memory(1000, stage=stage, world_size=2)
     with pytest.raises(ValueError, match="world_size"):
         zs.estimate_memory(1000, stage=2, world_size=0)
+
+
+def test_a_frozen_slot_joining_a_group_moves_nothing() -> None:
+    """``Unit.relabel`` relies on it: the offsets of a layout do not depend on its groups."""
+    shapes = [("w", torch.Size([6, 5])), ("b", torch.Size([6])), ("adapter", torch.Size([3, 5]))]
+    frozen = make_layout([(n, s, g) for (n, s), g in zip(shapes, (-1, -1, 0))], 3)
+    joined = make_layout([(n, s, g) for (n, s), g in zip(shapes, (1, -1, 0))], 3)
+    assert [(s.name, s.offset) for s in frozen.slots] == [(s.name, s.offset) for s in joined.slots]
+    assert frozen.shard_numel == joined.shard_numel

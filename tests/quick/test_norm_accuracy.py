@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zero_strategy.core.grads import NORM_ROW, powered_norm
+from zero_strategy.core.grads import NORM_ROW, SCALED_ROWS, max_abs, powered_norm
 
 
 @pytest.mark.parametrize("n", [1, NORM_ROW - 1, NORM_ROW, 62_176, 1_000_003])
@@ -31,3 +31,22 @@ def test_powered_norm_is_accurate_on_long_vectors(n: int, p: float) -> None:
 def test_powered_norm_reads_views_and_shapes() -> None:
     x = torch.randn(3, 2000)
     assert torch.equal(powered_norm(x[:, :1500], 2.0), powered_norm(x[:, :1500].contiguous(), 2.0))
+
+
+@pytest.mark.parametrize("rows", [0, 1, SCALED_ROWS, 3 * SCALED_ROWS + 1])
+@pytest.mark.parametrize("factor", [2.0**-16, 1 / 1000.0, 3.0])
+def test_the_norm_and_max_abs_of_a_product_are_those_of_the_product(rows: int,
+                                                                    factor: float) -> None:
+    """The disk tier summarises ``grad * factor`` (the fp16 unscale) at reduction without
+    materialising it: its squared norm and max-abs must be bit for bit those of the product
+    taken whole, which the host tier computes after ``grad.mul_(factor)`` (a block of rows
+    left alone at the end, and magnitudes whose squares are subnormal, included)."""
+    g = torch.Generator().manual_seed(rows)
+    n = rows * NORM_ROW + 517
+    x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-30, 4, (n,), generator=g)
+    f = torch.tensor(factor, dtype=torch.float32)
+    whole = x.clone().mul_(factor)
+    assert torch.equal(powered_norm(x, 2.0, factor=f), powered_norm(whole, 2.0))
+    assert torch.equal(max_abs([x])[0] * f, max_abs([whole])[0])
+    x[n // 2] = float("nan")
+    assert max_abs([x])[0].isnan() and (max_abs([x])[0] * f).isnan()

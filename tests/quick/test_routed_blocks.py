@@ -111,6 +111,24 @@ def test_stage3_with_per_rank_routing_equals_the_global_batch(world: dict, name:
     assert diverged > 0, [r["routed"] for r in results]
 
 
+def test_a_block_with_an_idle_expert_is_reduced_when_its_backward_ends(world: dict) -> None:
+    """Issue 58: an expert that got no token on a rank sends no gradient there, so the
+    block's gradients never all arrive; it is reduced once its module's backward ends
+    (``Runtime._post_backward``), not held with its full-size gradient buffer (and every
+    reduction after it) until the end of backward. Parity with idle experts:
+    ``test_stage3_with_per_rank_routing_equals_the_global_batch``."""
+    idle_steps = 0
+    for r in check(world["early_reduction"]):
+        for step, reduced in enumerate(r["reduced_by_embedding"]):
+            assert reduced == {"moe1": True, "moe2": True}, (step, r)
+            idle_steps += any(r["idle"][block][step] for block in ("moe1", "moe2"))
+    assert idle_steps > 0, "no expert was idle: the test would not see the case"
+    # The bound keeps room for the one block that cannot be reduced early: the first
+    # trainable one when nothing before it trains (its input needs no gradient).
+    r = check(world["early_reduction"])[0]
+    assert r["routed_held"] == r["largest_block"] > 0, r
+
+
 def test_an_unrecognised_data_dependent_block_raises_the_named_error(world: dict) -> None:
     for r in check(world["unrecognised"]):
         assert r["raised"] is not None, "ranks gathered different experts without an error"

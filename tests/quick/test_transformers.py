@@ -18,7 +18,8 @@ from tests.support import trainer_checks as C
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return C.launch(tmp_path_factory.mktemp("trainer"),
-                    ["fit_ddp", "fit_z3", "resume_z3", "ckpt_ddp", "ckpt_z3"])
+                    ["fit_ddp", "fit_z3", "resume_z3", "ckpt_ddp", "ckpt_z3", "frozen_ddp",
+                     "frozen_z3units"])
 
 
 def test_zero3_trainer_matches_ddp_trainer(runs: dict) -> None:
@@ -48,6 +49,28 @@ def test_plugin_checkpointing_and_trainer_gradient_checkpointing_are_one_or_the_
     with pytest.raises(ValueError, match="gradient_checkpointing=True.*keep one"):
         ZeroTrainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(),
                     zero_plugin=ZeroPlugin(stage=3, activation_checkpointing=True))
+
+
+@pytest.mark.parametrize("pattern", ["head", "first_block"])
+def test_a_partial_fine_tune_keeps_no_frozen_unit_whole(runs: dict, pattern: str) -> None:
+    """Issue 58: ZeroTrainer at stage 3 with only the final LayerNorm (and the first block)
+    trained, every module its own unit. The losses are plain Trainer's (DDP) to 1e-5; and a
+    frozen unit is never kept: when the forward returns only the root unit (the tied
+    embedding, which the loss reads next) is whole, when the first block's gradients arrive
+    the frozen blocks behind them in backward are all freed again, and only units that train
+    hold a gradient shard (a frozen one gets no gradient to reduce)."""
+    ddp, zero = C.ok(runs["frozen_ddp"])[pattern], C.ok(runs["frozen_z3units"])[pattern]
+    C.assert_close_lists(ddp["loss"], zero["loss"], f"{pattern}: loss")
+    assert zero["after_forward"] == [[""]] * 3, zero["after_forward"]
+    trained = ["transformer.ln_f"] + (
+        [] if pattern == "head" else
+        [f"transformer.h.0.{m}" for m in ("attn.c_attn", "attn.c_proj", "ln_1", "ln_2",
+                                          "mlp.c_fc", "mlp.c_proj")])
+    assert zero["grads"] == [sorted(trained)] * 3, zero["grads"]
+    if pattern == "first_block":
+        later = [n for names in zero["in_backward"] for n in names
+                 if n.startswith("transformer.h.1.")]
+        assert zero["in_backward"] and not later, zero["in_backward"]
 
 
 def test_checkpoint_holds_trainer_files_and_the_sharded_state(runs: dict) -> None:

@@ -22,6 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 GRACE_S = 30.0
 
+sys.path.insert(0, str(ROOT / "bench"))
+from cluster import wait_for  # noqa: E402  (bench/cluster.py: the cluster in a box's)
+
 
 def free_port(span: int = 1) -> int:
     """A port P with P .. P+span-1 free on 127.0.0.1 (the recipes use P and P+1)."""
@@ -93,14 +96,7 @@ def run_nodes(commands: list[list[str]], logs: Path, env: dict[str, str] | None 
         node_env = {**(env or {}), **(envs[i] if envs else {})}
         procs.append(subprocess.Popen(command, cwd=ROOT, env=environment(node_env), stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True))
-    failed_at: float | None = None
-    while any(p.poll() is None for p in procs):
-        now = time.monotonic()
-        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
-            failed_at = now
-        if now > deadline or (failed_at is not None and now > failed_at + GRACE_S):
-            break
-        time.sleep(0.2)
+    wait_for(procs, deadline, GRACE_S)
     timed_out = time.monotonic() > deadline
     codes: list[int | None] = []
     for p in procs:

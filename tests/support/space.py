@@ -655,10 +655,19 @@ def _references(case: dict[str, Any]) -> list[Reference]:
 
 def _reference_state(ref: Reference) -> dict[str, torch.Tensor]:
     """Managed parameters as masters; buffers and parameters outside the optimizer as the
-    forward holds them (the compute copy)."""
-    managed = {n for n, p in ref.master.named_parameters() if id(p) in ref.managed}
+    forward holds them (the compute copy), but at stage 3, which shards frozen parameters
+    outside the optimizer too and keeps their masters exact: masters there."""
+    op = ref.case["op"] or {}
+    stage3 = (op.get("config") or ref.case["config"]).get("stage", 0) == 3
+    managed = {n for n, p in ref.master.named_parameters()
+               if id(p) in ref.managed or (stage3 and not p.requires_grad
+                                           and p.dtype in _SHARDABLE)}
     master, compute = ref.master.state_dict(), ref.compute.state_dict()
     return {k: (master[k] if k in managed else compute[k]).detach().cpu() for k in master}
+
+
+_SHARDABLE = (torch.float32, torch.bfloat16, torch.float16)
+"""Dtypes of the frozen parameters stage 3 shards (the engine's trainable dtypes)."""
 
 
 def _verdict(case: dict[str, Any], ref: Reference, twins: list[Reference],

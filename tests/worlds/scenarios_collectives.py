@@ -213,6 +213,36 @@ def int8_reduce_scatter_within_the_peers_steps() -> dict[str, Any]:
     return {"worst_over_bound": worst, "own_exact": own_exact}
 
 
+@scenario
+def int8_all_reduce_within_two_quantizations() -> dict[str, Any]:
+    """The int8 sum across replicas (ZeRO++'s qgZ): a reduce-scatter (the piece's owner's
+    part exact, each peer's off by its half step), then an all-gather of the summed piece
+    (off by half a step of the summed block); the same on every rank."""
+    from zero_strategy.comm import int8 as quantize
+
+    comm, n = Communicator(), dist.get_world_size()
+    worst, same = 0.0, True
+    for salt, numel in enumerate((1, 300, 100_003)):
+        data = _rank_data(numel, salt)
+        everyone = [torch.empty_like(data) for _ in range(n)]
+        dist.all_gather(everyone, data)
+        exact = sum(e.double() for e in everyone)
+        piece = -(-numel // (n * quantize.BLOCK)) * quantize.BLOCK
+        owner = torch.arange(numel) // piece
+        steps = sum(torch.where(owner == r, 0.0, _blockmax(e) / 254)
+                    for r, e in enumerate(everyone))
+        rounding = 2.0**-24 * n * sum(e.double().abs() for e in everyone)
+        bound = steps + _blockmax(exact.abs() + steps + rounding) / 254 + 2 * rounding
+        out = data.clone()
+        comm.all_reduce_int8(out, async_op=True).wait()
+        worst = max(worst, ((out.double() - exact).abs() / bound.clamp_min(1e-300))
+                    .max().item())
+        gathered = [torch.empty_like(out) for _ in range(n)]
+        dist.all_gather(gathered, out)
+        same &= all(torch.equal(g, out) for g in gathered)
+    return {"worst_over_bound": worst, "same": same}
+
+
 def _gpt2_stage3(config: zs.ZeroConfig, steps: int) -> tuple[list[float], dict[str, Any]]:
     from transformers import GPT2Config, GPT2LMHeadModel
 

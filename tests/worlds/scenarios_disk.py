@@ -99,10 +99,12 @@ def parity(stage: int, kind: str = "gpt2", micro: int = 1, mapped: bool = False,
 
 
 def _norms(engine: zs.ZeroEngine, kind: str) -> list[float]:
-    """Every way of reading the gradients once more: norms of two types, value clipping."""
+    """Every way of reading the gradients once more: norms of three types (the 2- and
+    inf-norms first from the disk tier's summaries), value clipping."""
     gen = torch.Generator().manual_seed(99 + dist.get_rank())
     engine.backward(loss_of(kind, engine, batch(kind, gen)))
-    out = [engine.get_global_grad_norm().item(), engine.get_global_grad_norm(1.0).item(),
+    out = [engine.get_global_grad_norm(float("inf")).item(),
+           engine.get_global_grad_norm().item(), engine.get_global_grad_norm(1.0).item(),
            engine.clip_grad_norm_(0.01).item(), engine.get_global_grad_norm().item()]
     engine.clip_grad_value_(1e-4)
     out.append(engine.get_global_grad_norm(float("inf")).item())
@@ -125,18 +127,23 @@ def _reads_without_keeping(engine: zs.ZeroEngine, stepped: bool) -> int:
     forward = sum(tier.file_bytes([u.param_store.shard]) for u in gathered)
     backward = sum(tier.file_bytes([u.param_store.shard]) for u in gathered
                    if u is not engine.runtime.root_unit)
-    step = sum(tier.file_bytes(engine.optimizer._step_tensors(u)) for u in engine.units)
+    step = sum(tier.file_bytes(engine.optimizer.where.step_tensors(u)) for u in engine.units)
     return forward + backward + (step if stepped else 0)
 
 
-def streaming(keep: bool) -> dict:
-    """Stage 3 with clipping and a step skipped for a NaN gradient (rank 0, step 2): per
-    step, the bytes the tier read against the units' files, the bytes kept for the next
-    phase against its budget, and the losses against the host tier's."""
+def streaming(keep: bool, precision: str = "32-true",
+              clipped: tuple[int, ...] = (0, 1, 2, 3, 4)) -> dict:
+    """Stage 3 with clipping at the steps ``clipped`` and a step skipped for a NaN gradient
+    (rank 0, step 2): per step, the bytes the tier read against the units' files, the
+    bytes kept for the next phase against its budget, and the losses against the host
+    tier's. Under fp16 the unscale, the non-finite check and clipping must read no gradient
+    file of their own: the step's read is the only one, and the skip (agreed from the
+    clipping norm, or unclipped from the summaries taken at reduction) reads none, with the
+    loss scaler moved as the host tier's."""
     kind, nan_step = "gpt2", 2
-    engines = {"cpu": _engine(kind, 3, "cpu", nonfinite_grads="skip"),
-               "disk": _engine(kind, 3, "disk", _dir(f"streaming{int(keep)}"),
-                               nonfinite_grads="skip")}
+    engines = {"cpu": _engine(kind, 3, "cpu", nonfinite_grads="skip", precision=precision),
+               "disk": _engine(kind, 3, "disk", _dir(f"streaming{int(keep)}{precision}"),
+                               nonfinite_grads="skip", precision=precision)}
     disk = engines["disk"]
     tier = disk.tier
     assert tier is not None
@@ -160,7 +167,8 @@ def streaming(keep: bool) -> dict:
             out["kept_peak"] = max(out["kept_peak"], tier.kept_bytes)
             if hook is not None:
                 hook.remove()
-            engine.clip_grad_norm_(0.05)
+            if step in clipped:
+                engine.clip_grad_norm_(0.05)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the skipped step's warning
                 stepped = engine.step()
@@ -175,6 +183,7 @@ def streaming(keep: bool) -> dict:
     sa, sb = engines["cpu"].full_state_dict(), disk.full_state_dict()
     out["weights_equal"] = all(torch.equal(sa[k], sb[k]) for k in sa)
     out["skipped"] = disk.skipped_steps
+    out["scalers"] = [e.scaler.state_dict() if e.scaler else None for e in engines.values()]
     disk.close()
     return out
 
@@ -376,6 +385,10 @@ register("parity_stage3_mapped", parity, stage=3, micro=2, mapped=True)
 register("parity_stage3_bf16", parity, stage=3, kind="mlp", precision="bf16-mixed")
 register("streaming_kept", streaming, keep=True)
 register("streaming_unkept", streaming, keep=False)
+# The NaN step and the last unclipped: the skip decided from the summaries' max-abs alone.
+register("streaming_kept_fp16", streaming, keep=True, precision="16-mixed", clipped=(0, 1, 3))
+register("parity_stage2_fp16", parity, stage=2, precision="16-mixed")
+register("parity_stage3_fp16", parity, stage=3, kind="mlp", micro=2, precision="16-mixed")
 register("refusals", refusals)
 register("custom_optimizer", custom_optimizer)
 register("full_disk", full_disk)

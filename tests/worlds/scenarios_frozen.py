@@ -92,3 +92,36 @@ def reference_below_stage3_stays_whole() -> dict[str, Any]:
               "whole_bytes": sum(p.numel() * p.element_size() for p in reference.parameters())}
     accelerator.free_memory()
     return result
+
+
+def _watch_placement(model: torch.nn.Module, seen: list[dict[str, Any]]) -> None:
+    """Record each ``model.to(...)``: the device asked for, and whether a parameter's memory
+    changed (a copy of every weight)."""
+    original = model.to
+
+    def to(*args: Any, **kwargs: Any) -> Any:
+        p = next(model.parameters())
+        before = p.data_ptr()
+        out = original(*args, **kwargs)
+        seen.append({"device": str(args[0] if args else kwargs.get("device")),
+                     "copied": next(model.parameters()).data_ptr() != before})
+        return out
+
+    model.to = to  # type: ignore[method-assign]
+
+
+@scenario
+def placement_copies_nothing() -> dict[str, Any]:
+    """A model loaded whole (not on meta) placed on the accelerator's device before its
+    engine is built, the trained one and a reference: Accelerate calls the CPU "cpu:0",
+    which CPU tensors never report, so placing there must ask for plain "cpu"."""
+    accelerator = ZeroAccelerator(zero_plugin=ZeroPlugin(stage=3))
+    seen: list[dict[str, Any]] = []
+    policy, reference = tiny_gpt2(), tiny_gpt2()
+    _watch_placement(policy, seen)
+    _watch_placement(reference, seen)
+    accelerator.prepare(policy, torch.optim.AdamW(policy.parameters(), lr=1e-3))
+    accelerator.prepare_model(reference, evaluation_mode=True)
+    asked = str(accelerator.device)
+    accelerator.free_memory()
+    return {"placed": seen, "accelerator_device": asked}

@@ -59,7 +59,9 @@ def _train(engine: zs.ZeroEngine, batches: list[dict[str, torch.Tensor]]) -> lis
 def hybrid_traffic() -> dict[str, Any]:
     """Bytes of one step within and across groups, and the shard sizes that predict them."""
     out: dict[str, Any] = {}
-    for name, extra in (("hybrid", {"shard_group_size": 2}), ("flat", {})):
+    for name, extra in (("hybrid", {"shard_group_size": 2}), ("flat", {}),
+                        ("hybrid_int8", {"shard_group_size": 2,
+                                         "quantize_gradients": "int8"})):
         engine = _engine(3, **extra)
         data = _batches(2)
         _train(engine, data[:1])
@@ -69,6 +71,9 @@ def hybrid_traffic() -> dict[str, Any]:
         out[name] = {k: after[k] - before.get(k, 0) for k in after}
         out[name]["shard_numel"] = sum(u.layout.shard_numel for u in engine.units)
         out[name]["padded_numel"] = sum(u.layout.padded_numel for u in engine.units)
+        # int8 across the 2 groups: each shard padded to whole blocks of both halves
+        out[name]["int8_crossing_numel"] = sum(
+            -(-u.layout.shard_numel // (2 * 256)) * 2 * 256 for u in engine.units)
         out[name]["memory"] = engine.memory_report()
     return out
 

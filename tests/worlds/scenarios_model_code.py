@@ -382,29 +382,49 @@ def moe(layout: str, leaf: bool = False) -> dict[str, Any]:
     return out
 
 
-class RankOrdered(nn.Module):
-    """Two layers of one size that rank 0 runs in one order and the others in the other:
-    every gather pairs a different unit across ranks with a shard of the same size, so
-    nothing but the gather-order check can tell."""
+class _Wider(nn.Module):
+    """A linear layer whose unit is larger than a plain one (an extra, used, vector)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.a = nn.Linear(D, D)
-        self.b = nn.Linear(D, D)
+        self.lin = nn.Linear(D, D)
+        self.extra = nn.Parameter(torch.zeros(5 * D))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        first, second = (self.a, self.b) if dist.get_rank() == 0 else (self.b, self.a)
+        return self.lin(h) + self.extra[:D]
+
+
+class RankOrdered(nn.Module):
+    """Two layers that rank 0 runs in one order and the others in the other (while
+    ``swapped``): of one size, every gather pairs a different unit across ranks with a shard
+    of the same size, so nothing but the gather-order check can tell; ``uneven``, the units
+    differ in size (gloo aborts a process that receives a message longer than its buffer)."""
+
+    def __init__(self, uneven: bool = False) -> None:
+        super().__init__()
+        self.a = nn.Linear(D, D)
+        self.b = _Wider() if uneven else nn.Linear(D, D)
+        self.swapped = True
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        swap = self.swapped and dist.get_rank() != 0
+        first, second = (self.b, self.a) if swap else (self.a, self.b)
         return second(torch.tanh(first(h)))
 
 
-def swapped_gather_order(deferred: bool) -> dict[str, Any]:
+def swapped_gather_order(mode: str) -> dict[str, Any]:
     """Stage 3, every module its own unit: the check must raise before the step, whether
-    it blocks before each gather (CPU) or is read at the end of backward (as on a GPU)."""
+    it reads each gather's header before the gather is waited for (CPU), blocks before each
+    gather ("blocking") or is read at the end of backward (as on a GPU, "deferred"). After
+    ``zero_grad()`` the ranks' exchanges are matched again: a pass in one order trains as
+    one process does."""
     torch.manual_seed(0)
-    model = RankOrdered()
+    model = RankOrdered(uneven=mode == "uneven")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    engine = zs.ZeroEngine(model, optimizer_for(model), zs.ZeroConfig(**LAYOUTS["s3fine"]))
-    engine.runtime.defer_order_check = deferred
+    config = {**LAYOUTS["s3fine"], **({"check_gather_order": "blocking"}
+                                       if mode == "blocking" else {})}
+    engine = zs.ZeroEngine(model, optimizer_for(model), zs.ZeroConfig(**config))
+    engine.runtime.defer_order_check = mode == "deferred"
     error = None
     try:
         engine.backward(engine(torch.randn(4, D)).square().mean())
@@ -413,15 +433,30 @@ def swapped_gather_order(deferred: bool) -> dict[str, Any]:
         error = str(e)
     engine.zero_grad()
     after = engine.full_state_dict()
-    return {"raised": error, "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
+    model.swapped = False  # every rank in one order now, on the same batch
+    reference = RankOrdered(uneven=mode == "uneven")
+    reference.load_state_dict(before)
+    reference.swapped = False
+    x = torch.randn(4, D, generator=torch.Generator().manual_seed(3))
+    for trainee, opt in ((engine, None), (reference, optimizer_for(reference))):
+        loss = trainee(x).square().mean()
+        if opt is None:
+            engine.backward(loss)
+            engine.step()
+        else:
+            loss.backward()
+            opt.step()
+    trained, expected = engine.full_state_dict(), reference.state_dict()
+    return {"raised": error, "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+            "then_trains": max((trained[k] - v).abs().max().item() for k, v in expected.items())}
 
 
 # torch.compile costs seconds a scenario on 2 cores (inductor), so its scenarios make a world
 # of their own (tests/integration/test_model_code_compiled.py), chosen by ZS_COMPILED=1.
 _COMPILED_WORLD = __import__("os").environ.get("ZS_COMPILED") == "1"
 if not _COMPILED_WORLD:
-    register("swapped_order_blocking", swapped_gather_order, deferred=False)
-    register("swapped_order_deferred", swapped_gather_order, deferred=True)
+    for _mode in ("headers", "uneven", "blocking", "deferred"):
+        register(f"swapped_order_{_mode}", swapped_gather_order, mode=_mode)
 for _layout in LAYOUTS if not _COMPILED_WORLD else ():
     for _loss in LOSSES:
         register(f"parity_{_loss}_{_layout}", parity, loss=_loss, layout=_layout)

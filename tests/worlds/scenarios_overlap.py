@@ -44,11 +44,13 @@ class _HeldBack:
 def _hold_back_gathers(engine: zs.ZeroEngine) -> None:
     comm, real = engine.comm, engine.comm.all_gather
 
-    def all_gather(flat_output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False):
+    def all_gather(flat_output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False,
+                   channel: int | None = None):
         if not async_op:
-            return real(flat_output, shard)
+            return real(flat_output, shard, channel=channel)
         staging = flat_output.clone()
-        return _HeldBack(real(staging, shard, async_op=True), staging, flat_output)
+        return _HeldBack(real(staging, shard, async_op=True, channel=channel), staging,
+                         flat_output)
 
     comm.all_gather = all_gather  # type: ignore[method-assign]
 

@@ -6,6 +6,9 @@ same model in one process on the global batch (what DDP computes, with unused pa
 ``find_unused_parameters=True``). The ranks read different halves of the vocabulary, so they
 route to different experts; every rank's per-expert token counts come back with the result.
 
+``early_reduction``: the same model; when backward has passed both blocks, each block's
+reduction must have been launched, whether or not an expert of it got no token here.
+
 ``unrecognised``: experts chosen by a rule in code, with no router parameter: the engine
 cannot know the block is routed, and stage 3 must raise ``GatherOrderError`` naming
 ``unit_leaf_classes`` (the test runs the world under a timeout, so a hang fails it).
@@ -83,7 +86,32 @@ def unrecognised() -> dict[str, Any]:
             "units": [u.name for u in engine.units]}
 
 
+def early_reduction() -> dict[str, Any]:
+    """Per step: which experts of each block this rank left idle, and whether each block's
+    reduction had been launched when backward reached the embedding below them (its gradient
+    is the first computed after both blocks' backward)."""
+    torch.manual_seed(0)
+    model = RoutedNet()
+    engine = zs.ZeroEngine(model, _optimizer(model), zs.ZeroConfig(**FINE))
+    blocks = [u for u in engine.units if u.name in ("moe1", "moe2")]
+    seen: list[dict[str, bool]] = []
+    model.emb.weight.register_post_accumulate_grad_hook(
+        lambda _: seen.append({u.name: u.reduced_this_pass for u in blocks}))
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(STEPS):
+        batch = rank_batch(gen, dist.get_rank())
+        engine.backward(F.cross_entropy(engine(batch["ids"]), batch["y"]))
+        engine.step()
+        engine.zero_grad()
+    return {"reduced_by_embedding": seen,
+            "routed_held": engine.phase_bounds(activation_bytes=0).terms["routed_held"],
+            "largest_block": max(u.layout.padded_numel for u in blocks) * 4,
+            "idle": {name: [[e for e, n in enumerate(counts) if n == 0] for counts in
+                            getattr(model, name).routed] for name in ("moe1", "moe2")}}
+
+
 register("parity_fine", parity, config=FINE)
+register("early_reduction", early_reduction)
 register("parity_fine_offload", parity, config={**FINE, "offload_optimizer": True,
                                                 "offload_params": True})
 register("unrecognised", unrecognised)

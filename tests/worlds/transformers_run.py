@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from zero_strategy.transformers import ZeroPlugin, ZeroTrainer, with_zero
 
@@ -37,6 +37,8 @@ MODES = {  # name: ZeroPlugin options, None for plain Trainer (DDP)
               "offload_params": True},
     # No generation budget: generate() gathers every unit per forward (streamed).
     "z3stream": {"stage": 3, "param_persistence_threshold": 0, "generation_gather_budget": 0},
+    # Every module with parameters its own unit: what stays whole can be told apart.
+    "z3units": {"stage": 3, "param_persistence_threshold": 0, "unit_numel": 1},
 }
 GENERATE_RANKS_NEW_TOKENS = (3, 9)  # ranks stop at different lengths: synced_gpus must hold
 
@@ -144,8 +146,6 @@ SCENARIOS["ckpt_z3"] = functools.partial(_fit, "z3ckpt", tag="ckpt")
 def _best(mode: str, out: Path) -> dict[str, Any]:
     """Evaluate and save every step with ReduceLROnPlateau, keep one checkpoint besides the
     best, and load the best model at the end; a callback records what it is shown."""
-    from transformers import TrainerCallback
-
     seen: dict[str, list[Any]] = {"lr": [], "saved": []}
 
     class Record(TrainerCallback):
@@ -294,6 +294,71 @@ for _mode in ("ddp", "z1", "z3"):
     SCENARIOS[f"nodecay_{_mode}"] = functools.partial(_no_decay_only, _mode)
 SCENARIOS["nodecay_streamed_ddp"] = functools.partial(_no_decay_only, "ddp", streamed=True)
 SCENARIOS["nodecay_streamed_z3"] = functools.partial(_no_decay_only, "z3", streamed=True)
+
+
+# ---------------------------------------------------------------------------------- frozen units
+FROZEN_PATTERNS = {"head": ("transformer.ln_f.",), "first_block": ("transformer.ln_f.",
+                                                                   "transformer.h.0.")}
+"""Partial fine-tunes: the final LayerNorm alone (Trainer's decay group empty; nothing before
+it trains, so no block needs a backward), and with the first block (backward crosses every
+frozen block after it)."""
+
+
+def _frozen(mode: str, out: Path) -> dict[str, Any]:
+    """Each pattern for 3 steps; under ZeRO, what stays whole: the units still gathered when
+    the forward returns, those gathered when the first gradient of the first block arrives
+    (every frozen block behind it in backward by then), and the units holding a gradient
+    shard after the step."""
+    results = {}
+    for pattern, trained in FROZEN_PATTERNS.items():
+        model = tiny_gpt2()
+        for name, p in model.named_parameters():
+            p.requires_grad_(name.startswith(trained))
+        trainer = trainer_for(mode, model=model, train_dataset=Tokens(),
+                              args=arguments(out / f"frozen_{mode}_{pattern}", max_steps=3,
+                                             learning_rate=1e-2, gradient_accumulation_steps=1,
+                                             warmup_steps=0, lr_scheduler_type="constant"))
+        seen: dict[str, list[list[str]]] = {"after_forward": [], "in_backward": [],
+                                            "grads": []}
+        if MODES[mode] is not None:
+            _watch_units(trainer, model, seen)
+        trainer.train()
+        results[pattern] = {**history(trainer), **seen}
+    return results
+
+
+def _watch_units(trainer: Any, model: GPT2LMHeadModel, seen: dict[str, list]) -> None:
+    def whole() -> list[str]:
+        return sorted(u.name for u in trainer.zero_engine.units
+                      if u.param_store.state.value == "unsharded")
+
+    compute_loss = trainer.compute_loss
+
+    def measured(*args: Any, **kwargs: Any) -> Any:
+        loss = compute_loss(*args, **kwargs)
+        seen["after_forward"].append(whole())
+        return loss
+
+    trainer.compute_loss = measured
+    first = [p for n, p in model.named_parameters() if n.startswith("transformer.h.0.")]
+
+    class Watch(TrainerCallback):
+        def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+            # Registered after the engine's own hook: a sample per arriving gradient.
+            for p in first:
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(
+                        lambda _: seen["in_backward"].append(whole()))
+
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            seen["grads"].append(sorted(u.name for u in trainer.zero_engine.units
+                                        if u.grad_store.held_tensors()))
+
+    trainer.add_callback(Watch())
+
+
+for _mode in ("ddp", "z3units"):
+    SCENARIOS[f"frozen_{_mode}"] = functools.partial(_frozen, _mode)
 
 
 # ---------------------------------------------------------------------------------- TRL + LoRA

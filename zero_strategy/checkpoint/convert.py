@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..core.flat import shard_numel_for
+from ..core.flat import FROZEN_GROUP, shard_numel_for
 from .errors import CheckpointError
 from .read import open_reader
 from .source import ReaderBase
@@ -77,6 +77,8 @@ def _group_names(reader: ReaderBase) -> list[list[str]]:
     groups = reader.manifest.get("param_groups") or [{}]
     names: list[list[str]] = [[] for _ in groups]
     for name, group in reader.param_groups_of().items():
+        if group == FROZEN_GROUP:  # frozen, in no param group: DCP lists none for it
+            continue
         if group >= len(names):
             raise CheckpointError(f"{reader.path}: parameter {name!r} is in param group "
                                   f"{group}, the checkpoint records {len(groups)}")

@@ -264,30 +264,73 @@ def _open_checked(engine: EngineView, directory: str | os.PathLike, tag: str | N
     return reader
 
 
+def _saved_module(reader: ReaderBase) -> set[str]:
+    """Module keys the checkpoint holds whole (buffers, frozen parameters it did not shard)."""
+    return set(reader.manifest["state_dict_keys"]) - set(reader.manifest["aliases"])
+
+
 def _check_same_model(engine: EngineView, reader: ReaderBase) -> None:
+    """A frozen parameter may be sharded on one side and whole on the other (stage 3 shards
+    the frozen ones outside the optimizer, stages 0-2 keep them whole): it is looked for in
+    both places (``_master_range``, ``_module_value``)."""
     saved = {n: tuple(v["shape"]) for n, v in reader.manifest["params"].items()}
+    saved_module = _saved_module(reader)
     current = {slot.name: slot.shape for u in engine.units for slot in u.layout.slots}
-    saved_module = set(reader.manifest["state_dict_keys"]) - set(reader.manifest["aliases"])
     unmanaged = engine.unmanaged_state()
+    sharded_whole = [n for n in current if n not in saved and n in saved_module]
+    shapes = {**{n: reader.module_info(n)[1] for n in sharded_whole}, **saved}
     kinds = {
-        "trainable parameters of this model missing from the checkpoint":
-            [n for n in current if n not in saved],
-        "checkpoint parameters this model does not train":
-            [n for n in saved if n not in current],
+        "sharded parameters of this model missing from the checkpoint":
+            [n for n in current if n not in shapes],
+        "checkpoint parameters this model does not have":
+            [n for n in saved if n not in current and n not in unmanaged],
         "shapes that differ (checkpoint vs model)":
-            [f"{n} {list(saved[n])} vs {list(current[n])}" for n in current
-             if n in saved and saved[n] != current[n]],
+            [f"{n} {list(shapes[n])} vs {list(current[n])}" for n in current
+             if n in shapes and tuple(shapes[n]) != tuple(current[n])],
         "buffers or frozen parameters missing from the checkpoint":
-            [k for k in unmanaged if k not in saved_module],
+            [k for k in unmanaged if k not in saved_module and _sharded_name(reader, k) is None],
         "buffers or frozen parameters of another shape or dtype (checkpoint vs model)":
-            [f"{k} {reader.module_info(k)} vs {t.dtype, tuple(t.shape)}"
+            [f"{k} {_module_info(reader, k)} vs {t.dtype, tuple(t.shape)}"
              for k, t in unmanaged.items()
-             if k in saved_module and not _fits(reader.module_info(k), t)],
+             if (k in saved_module or _sharded_name(reader, k) is not None)
+             and not _fits(_module_info(reader, k), t)],
     }
     problems = [f"{len(v)} {kind} (e.g. {', '.join(v[:3])})" for kind, v in kinds.items() if v]
     if problems:
         raise CheckpointError(f"{reader.path}: checkpoint of a different model: "
                               + "; ".join(problems))
+
+
+def _sharded_name(reader: ReaderBase, key: str) -> str | None:
+    """The parameter the checkpoint sharded under module key ``key`` (itself, or the one a
+    tied key names), None where it holds none."""
+    name = reader.manifest["aliases"].get(key, key)
+    return name if name in reader.manifest["params"] else None
+
+
+def _module_info(reader: ReaderBase, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
+    if key in _saved_module(reader):
+        return reader.module_info(key)
+    name = _sharded_name(reader, key)
+    assert name is not None  # the callers checked
+    return torch.float32, tuple(reader.manifest["params"][name]["shape"])  # an fp32 master
+
+
+def _module_value(reader: ReaderBase, key: str) -> torch.Tensor:
+    """A buffer or frozen parameter this engine keeps whole: from the module file, or
+    assembled from the shards where the checkpoint sharded it (one parameter at a time)."""
+    name = _sharded_name(reader, key)
+    if key in _saved_module(reader) or name is None:
+        return reader.module_tensor(key)
+    return reader.read_param(name)
+
+
+def _master_range(reader: ReaderBase, name: str, start: int, end: int) -> torch.Tensor:
+    """Elements [start, end) of a parameter this engine shards: from the shards, or from the
+    module file where the checkpoint kept it whole (frozen, saved below stage 3)."""
+    if name in reader.manifest["params"]:
+        return reader.read_range(name, "master", start, end)
+    return reader.module_tensor(name).reshape(-1)[start:end]
 
 
 def _fits(info: tuple[torch.dtype, tuple[int, ...]], tensor: torch.Tensor) -> bool:
@@ -419,10 +462,10 @@ def stage_load(engine: EngineView, reader: ReaderBase, load_optimizer: bool,
         for piece in unit.layout.pieces(rank):
             if not reader.holds(piece.slot.name):  # a partial source: the rest stays
                 continue
-            values = reader.read_range(piece.slot.name, "master", piece.slot_start,
-                                       piece.slot_start + piece.numel)
+            values = _master_range(reader, piece.slot.name, piece.slot_start,
+                                   piece.slot_start + piece.numel)
             masters.append((unit.param_store.master, piece.shard_start, values))
-    module = {key: reader.module_tensor(key) for key in engine.unmanaged_state()
+    module = {key: _module_value(reader, key) for key in engine.unmanaged_state()
               if reader.holds(key)}
     records = param_records(reader.manifest) if load_optimizer else {}
     ranges = {request: reader.read_state(*request)

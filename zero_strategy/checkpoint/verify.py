@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..config import PRECISIONS
-from ..core.flat import ALIGN_ELEMENTS, shard_numel_for
+from ..core.flat import ALIGN_ELEMENTS, FROZEN_GROUP, shard_numel_for
 from . import bounds
 from .errors import CheckpointError
 from .write import (
@@ -298,8 +298,10 @@ def _slot(file: Path, slot: Any, where: str, previous_end: int) -> str:
     shape = _shape(file, slot[1], f"{where}.shape")
     for index, field in ((2, "offset"), (3, "numel"), (4, "group")):
         value = slot[index]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise _fail(file, f"{where}.{field}", f"must be an int >= 0, got {value!r}")
+        # group -1 (FROZEN_GROUP): a frozen parameter sharded in no optimizer group
+        low = FROZEN_GROUP if field == "group" else 0
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise _fail(file, f"{where}.{field}", f"must be an int >= {low}, got {value!r}")
     if slot[3] != math.prod(shape):
         raise _fail(file, f"{where}.numel", f"is {slot[3]}, the shape {list(shape)} holds "
                     f"{math.prod(shape)}")

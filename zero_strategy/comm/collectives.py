@@ -15,6 +15,13 @@ reduce-scatter sends every peer its slice of the input, receives this rank's sli
 peer (the first one straight into the output, the others into scratch memory) and adds them up
 in a fixed order. Same bytes as the ring algorithms,
 no temporary of the whole buffer, half the traffic of gloo's reduce-scatter.
+
+A collective that fails, when it starts (gloo sends on the caller's thread) or in its wait,
+raises ``CollectiveError`` (``CollectiveTimeout`` past the timeout) naming the collective,
+the step, this rank and the peer of a direct exchange, with the transport's error as its
+``__cause__``. The rendezvous store's part (failure reports quoted in those errors,
+agreements) is ``store.py``'s, bounded so that a store out of reach cannot hang or replace
+the error being raised.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ import ctypes
 import os
 import pickle
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -31,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from . import int8
+from .store import Ledger, StoreSilent
 
 # torch 2.13 renamed the flat collectives; older releases (>= 2.4) only have the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -90,6 +99,7 @@ def _store() -> Any:
     """The default group's rendezvous store: agreements and failure reports go through it,
     because it still answers while a group holds operations some rank never matched."""
     return dist.distributed_c10d._get_default_store()
+
 
 
 def group_is_initialized() -> bool:
@@ -201,11 +211,25 @@ class Handle(Protocol):
         """Complete for the device's next work; ``host=True``: also for the host, which is
         about to read the result (then bounded by the timeout on every backend)."""
 
+    def ready(self) -> bool:
+        """Whether ``wait`` would return at once (never blocks; a backend that cannot tell
+        answers False until waited for)."""
+
 
 class _Done:
     """The handle of a collective that ran synchronously (one rank, nothing to wait for)."""
 
     def wait(self, host: bool = False) -> bool:
+        return True
+
+    def ready(self) -> bool:
+        return True
+
+
+def _completed(work: Any) -> bool:
+    try:
+        return bool(work.is_completed())
+    except RuntimeError:  # failed: waiting raises the error, naming the collective
         return True
 
 
@@ -220,23 +244,72 @@ class _Pending:
         self.comm.wait(self.work, self.op, host=host)
         return True
 
+    def ready(self) -> bool:
+        return _completed(self.work)
+
 
 class _Exchange:
-    """Point-to-point sends and receives that together make one collective; ``wait()`` waits
-    for all of them (bounded like any collective), then runs ``finish`` once."""
+    """Point-to-point sends and receives that together make one collective, each with the
+    rank (in the group) it goes to or comes from; ``wait()`` waits for all of them (bounded
+    like any collective), then runs ``finish`` once."""
 
-    def __init__(self, comm: Communicator, works: list[Any], op: str,
+    def __init__(self, comm: Communicator, works: list[tuple[Any, int]], op: str,
                  finish: Callable[[], None] | None = None) -> None:
         self.comm, self.works, self.op, self.finish = comm, works, op, finish
 
     def wait(self, host: bool = False) -> bool:
         works, self.works = self.works, []
-        for work in works:
-            self.comm.wait(work, self.op, host=host)
+        for work, peer in works:
+            self.comm.wait(work, self.op, host=host, peer=peer)
         if self.finish is not None:
             finish, self.finish = self.finish, None
             finish()
         return True
+
+    def ready(self) -> bool:
+        return all(_completed(w) for w, _ in self.works)
+
+
+class _Then:
+    """``handle``, then ``after()`` on the host once it is waited for."""
+
+    def __init__(self, handle: Handle, after: Callable[[], None]) -> None:
+        self.handle, self.after = handle, after
+
+    def wait(self, host: bool = False) -> bool:
+        self.handle.wait(host=host)
+        if self.after is not None:
+            after, self.after = self.after, None
+            after()
+        return True
+
+    def ready(self) -> bool:
+        return self.handle.ready()
+
+
+class _Chain:
+    """A collective made of two, the second launched once the first has completed: when
+    the first is found done (``ready``, polled while other work goes on) or at ``wait``."""
+
+    def __init__(self, first: Handle, then: Callable[[], Handle]) -> None:
+        self.first: Handle | None = first
+        self.then: Callable[[], Handle] | None = then
+        self.second: Handle | None = None
+
+    def _advance(self, host: bool) -> Handle:
+        if self.second is None:
+            assert self.first is not None and self.then is not None
+            self.first.wait(host=host)
+            self.second, self.first, self.then = self.then(), None, None
+        return self.second
+
+    def wait(self, host: bool = False) -> bool:
+        return bool(self._advance(host).wait(host=host))
+
+    def ready(self) -> bool:
+        if self.second is None and not (self.first is not None and self.first.ready()):
+            return False
+        return self._advance(False).ready()
 
 
 Scratch = Callable[[int, torch.dtype], torch.Tensor]
@@ -247,6 +320,11 @@ Release = Callable[[torch.Tensor], None]
 # Tags of the direct exchanges: each kind of collective matches its sends and receives on its
 # own tag, in the order every rank issues them.
 _GATHER_TAG, _REDUCE_TAG = 11, 12
+_CHANNEL_TAG = 1 << 20
+"""Tags from here on: one per gather channel (a stage-3 unit), so that ranks gathering
+different units at the same point never match one unit's row with another's (gloo aborts
+the process when a message is longer than the buffer posted for it); the runtime's ordered
+header exchange then tells them apart and raises, before anything waits for the rows."""
 
 
 class Communicator:
@@ -302,36 +380,23 @@ class Communicator:
         # Every rank builds its communicators in the same order: the count names this one
         # alike on all of them, for keys in the rendezvous store (``agree_max``).
         _INSTANCES[tuple(self._peers)] += 1
-        self._store_prefix = (f"zero_strategy/{'-'.join(map(str, self._peers))}/"
-                              f"{_INSTANCES[tuple(self._peers)]}")
-        self._agreements = 0
+        self.ledger = Ledger(_store, f"zero_strategy/{'-'.join(map(str, self._peers))}/"
+                             f"{_INSTANCES[tuple(self._peers)]}", self.rank, self.world_size)
+        """Failure reports and agreements, through the rendezvous store."""
 
-    def report_failure(self, message: str) -> None:
+    def report_failure(self, message: str) -> bool:
         """Leave this rank's error where its peers' timeouts look (the rendezvous store): a
         rank whose step raised stops issuing collectives, and a peer waiting for one of them
-        should say which rank failed and why, not only that one stopped responding."""
-        if self.world_size > 1:
-            _store().set(self._failure_key(self.rank), message[:500])
+        should say which rank failed and why, not only that one stopped responding. Never
+        raises (``Ledger.report``): False when the report could not be left."""
+        return self.ledger.report(message)
 
     def clear_failure(self) -> None:
         """The failed pass is over on this rank (``zero_grad()``): its report goes."""
-        if self.world_size > 1:
-            _store().delete_key(self._failure_key(self.rank))
-
-    def _failure_key(self, rank: int) -> str:
-        return f"{self._store_prefix}/failed/{rank}"
+        self.ledger.clear()
 
     def _reported_failures(self) -> str:
-        if self.world_size == 1:
-            return ""
-        try:
-            store = _store()
-            keys = {r: self._failure_key(r) for r in range(self.world_size) if r != self.rank}
-            found = [f"rank {r} failed: {store.get(k).decode(errors='replace')}"
-                     for r, k in keys.items() if store.check([k])]
-        except RuntimeError:  # the store itself is gone: nothing more to say
-            return ""
-        return ("; " + "; ".join(found)) if found else ""
+        return self.ledger.reported()
 
     def agree_max(self, value: int) -> int:
         """The largest ``value`` over this group's ranks, agreed through the rendezvous store
@@ -341,18 +406,10 @@ class Communicator:
 
     def agree(self, value: int) -> list[int]:
         """Every rank's ``value``, by rank, through the rendezvous store (as ``agree_max``)."""
-        if self.world_size == 1:
-            return [value]
-        self._agreements += 1
-        store = _store()
-        prefix = f"{self._store_prefix}/agree{self._agreements}"
-        store.set(f"{prefix}/{self.rank}", str(value))
-        keys = [f"{prefix}/{r}" for r in range(self.world_size)]
         try:
-            store.wait(keys, timedelta(seconds=self.timeout_s or 600.0))
-        except RuntimeError as e:
+            return self.ledger.agree(value, self.timeout_s or 600.0)
+        except (RuntimeError, StoreSilent) as e:
             raise self._error("agree (store)", e) from e
-        return [int(store.get(k)) for k in keys]
 
     def split(self, group_size: int) -> tuple[Communicator, Communicator]:
         """Hybrid sharding: (this rank's shard group of ``group_size`` consecutive ranks, its
@@ -393,6 +450,10 @@ class Communicator:
                 mine = group
         assert mine is not None, (self.rank, parts)  # a partition covers every rank
         return mine
+
+    def global_ranks(self) -> list[int]:
+        """This group's members, as ranks of the default group (the store's agreements)."""
+        return list(self._peers)
 
     def use_scratch(self, take: Scratch, give: Release) -> None:
         """Where receive buffers of the direct exchanges come from and go back to (the
@@ -447,10 +508,11 @@ class Communicator:
         return (self.world_size - 1) / self.world_size
 
     # ---------------------------------------------------------------- waiting
-    def wait(self, work: Any, op: str, host: bool = False) -> None:
-        """Wait for ``work`` (collective ``op``) at most the timeout; raise naming it.
-        ``host``: the host reads the result next, so the wait blocks it on every backend and
-        is bounded on every backend (nccl's ``wait(timeout)`` blocks the host)."""
+    def wait(self, work: Any, op: str, host: bool = False, peer: int | None = None) -> None:
+        """Wait for ``work`` (collective ``op``; a send to or receive from ``peer``, a rank
+        of this group, when it is one) at most the timeout; raise naming it. ``host``: the
+        host reads the result next, so the wait blocks it on every backend and is bounded on
+        every backend (nccl's ``wait(timeout)`` blocks the host)."""
         limit = self._host_timeout if host else self._wait_timeout
         try:
             if limit is None:
@@ -458,25 +520,46 @@ class Communicator:
             else:
                 work.wait(limit)
         except RuntimeError as e:
-            raise self._error(op, e) from e
+            raise self._error(op, e, peer) from e
 
-    def _error(self, op: str, cause: Exception) -> CollectiveError:
+    @contextmanager
+    def _starting(self, op: str, peer: int | None = None) -> Iterator[None]:
+        """Around the call that starts a collective: gloo sends on the caller's thread, so
+        a peer gone already fails there (``Connection closed by peer``), not in the wait;
+        that error becomes ours too."""
+        try:
+            yield
+        except RuntimeError as e:
+            raise self._error(op, e, peer) from e
+
+    def _error(self, op: str, cause: BaseException, peer: int | None = None
+               ) -> CollectiveError:
+        """The error a failed collective raises: the collective, the step, this rank, the
+        peer it was exchanging with (when one), and the transport's own message; the
+        caller chains ``cause`` as its ``__cause__``."""
         where = "outside training"
         if self._step is not None:
             try:
                 where = f"at step {self._step()}"
             except AttributeError:  # raised while the engine is still being built
                 where = "while building the engine"
-        timed_out = "timed out" in str(cause).lower() or "timeout" in str(cause).lower()
+        text = str(cause).lower()
+        timed_out = isinstance(cause, TimeoutError) or "timed out" in text or "timeout" in text
         what = (f"did not complete within {self.timeout_s:g} s ({self._timeout_source})"
                 if timed_out and self.timeout_s is not None else "failed")
         kind = CollectiveTimeout if timed_out else CollectiveError
         first_line = (str(cause).splitlines() or [""])[0][:200]
         return kind(
             f"collective {op} {what} {where} on rank {self.rank} of {self.world_size} "
-            f"({self.backend}): another rank stopped responding (stalled, killed, or running "
-            f"different code) [{type(cause).__name__}: {first_line}]"
+            f"({self.backend}){self._with(peer)}: another rank stopped responding (stalled, "
+            f"killed, or running different code) [{type(cause).__name__}: {first_line}]"
             f"{self._reported_failures()}")
+
+    def _with(self, peer: int | None) -> str:
+        if peer is None:
+            return ""
+        known = f" (global rank {self._peers[peer]})" if self.group is not None else ""
+        return f", exchanging with rank {peer}{known}"
 
     def _finish(self, work: Any, op: str, async_op: bool) -> Handle:
         if async_op:
@@ -489,15 +572,50 @@ class Communicator:
         """Sum in place over ranks."""
         self._check("all_reduce", tensor)
         self._count("all_reduce", 2 * tensor.nbytes * self._fraction())
-        work = self._queued(dist.all_reduce(tensor, group=self.group, async_op=True), tensor)
+        with self._starting("all_reduce"):
+            work = self._queued(dist.all_reduce(tensor, group=self.group, async_op=True),
+                                tensor)
         return self._finish(work, "all_reduce", async_op)
+
+    def all_reduce_int8(self, tensor: torch.Tensor, *, async_op: bool = False) -> Handle:
+        """Sum ``tensor`` in place over ranks, sending block-wise int8 (ZeRO++'s quantized
+        gradient reduction, between shard groups): a reduce-scatter of the encoded tensor,
+        then an all-gather of the encoded sums, launched once the first has completed
+        (``_Chain``). A value is off by the reduce-scatter's error (half a step of each peer's
+        block) plus half a step of its summed block, quantized once more for the gather so
+        every rank ends with the same values. (n-1)/n of a quarter of the fp32 bytes each way,
+        where an fp32 all-reduce sends 2(n-1)/n of them."""
+        n, numel = self.world_size, tensor.numel()
+        if n == 1:
+            return _Done()
+        piece = -(-numel // (n * int8.BLOCK)) * int8.BLOCK  # block-aligned, one per rank
+        take, give = self._lender()
+        padded = take(n * piece, torch.float32)
+        padded[:numel].copy_(tensor.reshape(-1))
+        padded[numel:].zero_()
+        summed = take(piece, torch.float32)
+        first = self.reduce_scatter_int8(summed, padded, async_op=True)
+
+        def gather() -> Handle:
+            def done() -> None:
+                tensor.reshape(-1).copy_(padded[:numel])
+                give(summed)
+                give(padded)
+            return _Then(self.all_gather_int8(padded, summed, async_op=True), done)
+
+        chain = _Chain(first, gather)
+        if not async_op:
+            chain.wait()
+            return _Done()
+        return chain
 
     def all_reduce_max(self, tensor: torch.Tensor, *, host: bool = False) -> torch.Tensor:
         """Max in place over ranks; ``host``: complete for the host, which reads it next."""
         self._check("all_reduce(max)", tensor)
         self._count("all_reduce", 2 * tensor.nbytes * self._fraction())
-        work = self._queued(dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group,
-                                            async_op=True), tensor)
+        with self._starting("all_reduce(max)"):
+            work = self._queued(dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group,
+                                                async_op=True), tensor)
         self.wait(work, "all_reduce(max)", host=host)
         return tensor
 
@@ -521,43 +639,54 @@ class Communicator:
             # group's own timeout (30 minutes by default): the op carries the timeout itself.
             opts = dist.ReduceScatterOptions()
             opts.reduceOp, opts.timeout, opts.asyncOp = dist.ReduceOp.SUM, self._wait_timeout, True
-            work = group._reduce_scatter_base(output, flat_input, opts)
+            with self._starting("reduce_scatter"):
+                work = group._reduce_scatter_base(output, flat_input, opts)
         else:
-            work = _reduce_scatter(output, flat_input, group=self.group, async_op=True)
+            with self._starting("reduce_scatter"):
+                work = _reduce_scatter(output, flat_input, group=self.group, async_op=True)
         return self._finish(work, "reduce_scatter", async_op)
 
     def all_gather(
-        self, flat_output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False
+        self, flat_output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False,
+        channel: int | None = None,
     ) -> Handle:
-        """Concatenate every rank's ``shard`` into ``flat_output`` (rank order)."""
+        """Concatenate every rank's ``shard`` into ``flat_output`` (rank order). ``channel``
+        (a stage-3 unit's index): where the exchange is direct, its messages match only
+        messages of the same channel (``_CHANNEL_TAG``)."""
         self._check("all_gather", flat_output, shard)
         self._count("all_gather", flat_output.nbytes * self._fraction())
         if self._direct:
-            return self._all_gather_direct(flat_output, shard, async_op)
-        work = _all_gather(flat_output, shard, group=self.group, async_op=True)
+            return self._all_gather_direct(flat_output, shard, async_op, channel)
+        with self._starting("all_gather"):
+            work = _all_gather(flat_output, shard, group=self.group, async_op=True)
         return self._finish(work, "all_gather", async_op)
 
     def _all_gather_direct(self, flat_output: torch.Tensor, shard: torch.Tensor,
-                           async_op: bool) -> Handle:
+                           async_op: bool, channel: int | None) -> Handle:
         rows = flat_output.view(self.world_size, -1)
         if rows[self.rank].data_ptr() != shard.data_ptr():
             rows[self.rank].copy_(shard)
-        return self._finish_exchange(_Exchange(self, self._gather_rows(rows), "all_gather"),
-                                     async_op)
+        works = self._gather_rows(rows, "all_gather", channel)
+        return self._finish_exchange(_Exchange(self, works, "all_gather"), async_op)
 
-    def _gather_rows(self, rows: torch.Tensor) -> list[Any]:
+    def _gather_rows(self, rows: torch.Tensor, op: str,
+                     channel: int | None = None) -> list[tuple[Any, int | None]]:
         """Start filling every row of ``rows`` (one per rank) with that rank's own row, which
-        is already in place here; uncounted (the callers count what they send)."""
+        is already in place here; uncounted (the callers count what they send). Each work
+        with the rank it exchanges with (None: the whole group's)."""
         if not self._direct:
-            return [_all_gather(rows.view(-1), rows[self.rank], group=self.group,
-                                async_op=True)]
-        works = []
+            with self._starting(op):
+                return [(_all_gather(rows.view(-1), rows[self.rank], group=self.group,
+                                     async_op=True), None)]
+        tag = _GATHER_TAG if channel is None else _CHANNEL_TAG + channel
+        works: list[tuple[Any, int | None]] = []
         for r in range(self.world_size):
             if r != self.rank:
-                works.append(dist.isend(rows[self.rank], self._peers[r], group=self.group,
-                                        tag=_GATHER_TAG))
-                works.append(dist.irecv(rows[r], self._peers[r], group=self.group,
-                                        tag=_GATHER_TAG))
+                with self._starting(op, r):
+                    works.append((dist.isend(rows[self.rank], self._peers[r], group=self.group,
+                                             tag=tag), r))
+                    works.append((dist.irecv(rows[r], self._peers[r], group=self.group,
+                                             tag=tag), r))
         return works
 
     def _reduce_scatter_direct(self, output: torch.Tensor, flat_input: torch.Tensor,
@@ -572,12 +701,13 @@ class Communicator:
         scratch = take((len(peers) - 1) * output.numel(), output.dtype) if peers[1:] else None
         targets = [output] + (list(scratch.view(len(peers) - 1, -1)) if scratch is not None
                               else [])
-        works = []
+        works: list[tuple[Any, int | None]] = []
         for peer, target in zip(peers, targets):
-            works.append(dist.isend(pieces[peer], self._peers[peer], group=self.group,
-                                    tag=_REDUCE_TAG))
-            works.append(dist.irecv(target, self._peers[peer], group=self.group,
-                                    tag=_REDUCE_TAG))
+            with self._starting("reduce_scatter", peer):
+                works.append((dist.isend(pieces[peer], self._peers[peer], group=self.group,
+                                         tag=_REDUCE_TAG), peer))
+                works.append((dist.irecv(target, self._peers[peer], group=self.group,
+                                         tag=_REDUCE_TAG), peer))
 
         def finish() -> None:  # peers in rank order, then this rank: the same order every step
             for target in targets[1:]:
@@ -603,7 +733,7 @@ class Communicator:
 
     # ---------------------------------------------------------------- int8 on the wire
     def all_gather_int8(self, flat_output: torch.Tensor, shard: torch.Tensor, *,
-                        async_op: bool = False) -> Handle:
+                        async_op: bool = False, channel: int | None = None) -> Handle:
         """``all_gather`` sending block-wise int8 (``int8.py``); every piece of the output,
         this rank's too, holds the decoded values, so all ranks compute with the same ones."""
         self._check("all_gather", flat_output, shard)
@@ -615,7 +745,8 @@ class Communicator:
         int8.encode(shard, payload[self.rank], scales[self.rank], scratch)
         give(scratch)
         self._count("all_gather", (n - 1) * (payload[0].nbytes + scales[0].nbytes))
-        works = self._gather_rows(payload) + self._gather_rows(scales) if n > 1 else []
+        works = (self._gather_rows(payload, "all_gather", channel)
+                 + self._gather_rows(scales, "all_gather", channel) if n > 1 else [])
 
         def finish() -> None:
             for row, out in zip(range(n), flat_output.view(n, -1)):
@@ -646,11 +777,13 @@ class Communicator:
         for r in range(n):
             if r != self.rank:  # this rank's row is not sent: its slice stays exact
                 int8.encode(pieces[r], sent[0].view(n, -1)[r], sent[1].view(n, -1)[r],
-                                scratch)
+                            scratch)
         give(scratch)
         self._count("reduce_scatter", (n - 1) * (sent[0].nbytes + sent[1].nbytes) // n)
-        works = [dist.all_to_all_single(g, s, group=self.group, async_op=True)
-                 for g, s in zip(got, sent)]
+        with self._starting("reduce_scatter"):
+            works: list[tuple[Any, int | None]] = [
+                (dist.all_to_all_single(g, s, group=self.group, async_op=True), None)
+                for g, s in zip(got, sent)]
 
         def finish() -> None:
             total = output if output.dtype == torch.float32 else take(k, torch.float32)
@@ -659,7 +792,7 @@ class Communicator:
             for r in range(n):
                 if r != self.rank:
                     int8.decode_add(got[0].view(n, -1)[r], got[1].view(n, -1)[r], total,
-                                        values)
+                                    values)
             if total is not output:
                 output.copy_(total)
                 give(total)
@@ -678,8 +811,9 @@ class Communicator:
         if self.world_size == 1:
             out.copy_(send)
             return out
-        work = dist.all_to_all_single(out, send, recv_counts, send_counts, group=self.group,
-                                      async_op=True)
+        with self._starting("all_to_all"):
+            work = dist.all_to_all_single(out, send, recv_counts, send_counts,
+                                          group=self.group, async_op=True)
         self.wait(work, "all_to_all")
         return out
 
@@ -687,8 +821,10 @@ class Communicator:
         """Rank ``src`` of this group sends ``tensor`` to every rank, in place."""
         self._check("broadcast", tensor)
         self._count("broadcast", tensor.nbytes)
-        work = dist.broadcast(tensor, group=self.group, async_op=True,
-                              src=dist.get_global_rank(self.group, src) if self.group else src)
+        with self._starting("broadcast"):
+            work = dist.broadcast(tensor, group=self.group, async_op=True,
+                                  src=dist.get_global_rank(self.group, src) if self.group
+                                  else src)
         self.wait(work, "broadcast")
 
     def broadcast_coalesced(self, tensors: list[torch.Tensor], src: int = 0) -> None:
@@ -720,20 +856,24 @@ class Communicator:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
         sizes = torch.empty(self.world_size, dtype=torch.int64, device=device)
-        self.wait(self._queued(_all_gather(sizes, size, group=self.group, async_op=True), sizes,
-                               size), "all_gather_object", host=True)
+        with self._starting("all_gather_object"):
+            work = _all_gather(sizes, size, group=self.group, async_op=True)
+        self.wait(self._queued(work, sizes, size), "all_gather_object", host=True)
         longest = int(sizes.max())
         padded = torch.zeros(longest, dtype=torch.uint8, device=device)
         padded[: data.numel()] = data
         out = torch.empty(longest * self.world_size, dtype=torch.uint8, device=device)
-        self.wait(self._queued(_all_gather(out, padded, group=self.group, async_op=True), out,
-                               padded), "all_gather_object", host=True)
+        with self._starting("all_gather_object"):
+            work = _all_gather(out, padded, group=self.group, async_op=True)
+        self.wait(self._queued(work, out, padded), "all_gather_object", host=True)
         blobs = out.cpu().view(self.world_size, longest)
         return [pickle.loads(blobs[r, : int(n)].numpy().tobytes())
                 for r, n in enumerate(sizes.tolist())]
 
     def barrier(self) -> None:
-        self.wait(dist.barrier(group=self.group, async_op=True), "barrier", host=True)
+        with self._starting("barrier"):
+            work = dist.barrier(group=self.group, async_op=True)
+        self.wait(work, "barrier", host=True)
 
     def failures(self, error: str | None) -> list[tuple[int, str]]:
         """Agree on whether a local step (writing a file, validating) succeeded everywhere:

@@ -168,7 +168,7 @@ class ParamAccess:
         for unit in units:
             self.runtime.unshard(unit)
         for unit in units:
-            unit.param_store.finish_unshard()
+            self.runtime.finish(unit)
             self.runtime.hold(unit)  # forwards inside the block must not free them
         try:
             yield

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+FROZEN_GROUP = -1
+"""The group of a parameter in no optimizer group: frozen, and sharded with the rest at
+stage 3 (a LoRA base, a frozen backbone) so that no rank holds it whole."""
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -21,7 +25,7 @@ class Slot:
     offset: int
     numel: int
     group: int
-    """Index of the optimizer param group the parameter belongs to."""
+    """Index of the optimizer param group the parameter belongs to (``FROZEN_GROUP``: none)."""
 
     @property
     def end(self) -> int:
@@ -93,13 +97,16 @@ def make_layout(
     entries: list[tuple[str, torch.Size, int]], num_shards: int,
     shard_align: int = ALIGN_ELEMENTS,
 ) -> FlatLayout:
-    """Lay out ``(name, shape, group)`` entries, grouped by optimizer group (stable order)."""
+    """Lay out ``(name, shape, group)`` entries in the order given. Not grouped by optimizer
+    group: a frozen parameter added to a group later (``Unit.relabel``) then changes its
+    slot's group and nothing else, where sorting would move its neighbours in the shards.
+    (Layouts written before 2026-11-29 were sorted by group; a checkpoint stores its layout,
+    so both read alike.)"""
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
-    ordered = sorted(enumerate(entries), key=lambda item: (item[1][2], item[0]))
     slots = []
     offset = 0
-    for _, (name, shape, group) in ordered:
+    for name, shape, group in entries:
         numel = 1
         for dim in shape:
             numel *= int(dim)

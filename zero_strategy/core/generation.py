@@ -109,7 +109,7 @@ class GenerationMode:
                 for unit in held:  # all launched before any is waited for
                     self.runtime.unshard(unit)
                 for unit in held:
-                    unit.param_store.finish_unshard()
+                    self.runtime.finish(unit)
                     self.runtime.hold(unit)
                     holds.append(unit)
             self.last_held = [u.name for u in held]

@@ -23,7 +23,8 @@ NORM_ROW = 1024
 """Elements per row of ``powered_norm``'s partial sums."""
 
 
-def powered_norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
+def powered_norm(grad: torch.Tensor, norm_type: float,
+                 factor: torch.Tensor | None = None) -> torch.Tensor:
     """``||grad||_p ** p`` (p finite) as an fp32 scalar, in rows of ``NORM_ROW`` elements summed
     by ``torch.sum``. ``torch.linalg.vector_norm`` over one long fp32 vector accumulates far
     beyond fp32's rounding on CPU: measured (torch 2.13) 3.8e-6 relative error in the squared
@@ -32,14 +33,44 @@ def powered_norm(grad: torch.Tensor, norm_type: float) -> torch.Tensor:
     elements). A flat shard holds many parameters at once, so the engine's clipping norm
     would otherwise drift from torch's per-parameter ``clip_grad_norm_`` by more than the
     summation-order bound its parity tests argue (found by tests/integration/
-    test_moe_training.py at stage 2). One kernel for the rows; no copy of them."""
+    test_moe_training.py at stage 2). One kernel for the rows; no copy of them.
+
+    ``factor``: the norm of ``grad * factor`` (each element rounded as ``grad.mul_(factor)``
+    rounds it), bit for bit, with at most ``SCALED_ROWS`` rows of the product in memory at a
+    time: each row's norm does not depend on the rows reduced beside it, and the rows' norms
+    are summed whole as above (tests/quick/test_norm_accuracy.py compares the two)."""
     flat = grad.reshape(-1)
     rows = flat.numel() // NORM_ROW
     head = flat[: rows * NORM_ROW].view(rows, NORM_ROW)
-    parts = torch.linalg.vector_norm(head, norm_type, dim=1, dtype=torch.float32) ** norm_type
+    if factor is None:
+        parts = _row_norms(head, norm_type)
+    else:
+        factor = factor.to(grad.device, grad.dtype)
+        parts = torch.empty(rows, dtype=torch.float32, device=grad.device)
+        for start in range(0, rows, SCALED_ROWS):
+            block = head[start : start + SCALED_ROWS]
+            parts[start : start + len(block)] = _row_norms(block * factor, norm_type)
     # The last partial row (under NORM_ROW elements: a small copy) by the same pairwise sum.
-    rest = flat[rows * NORM_ROW:].float().abs().pow(norm_type).sum()
+    tail = flat[rows * NORM_ROW:]
+    rest = (tail if factor is None else tail * factor).float().abs().pow(norm_type).sum()
     return parts.sum() + rest
+
+
+SCALED_ROWS = 256
+"""Rows of ``grad * factor`` ``powered_norm`` holds at once (1 MiB of fp32)."""
+
+
+def _row_norms(rows: torch.Tensor, norm_type: float) -> torch.Tensor:
+    return torch.linalg.vector_norm(rows, norm_type, dim=1, dtype=torch.float32) ** norm_type
+
+
+def max_abs(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``max |g|`` of each non-empty tensor of ``grads``, in its dtype: inf or NaN exactly
+    where it holds one (the non-finite check and the inf-norm both read it). One
+    multi-tensor pass: a single kernel on a GPU. Times a positive factor it is the max-abs
+    of the tensor times that factor, bit for bit (rounding is monotonic)."""
+    grads = [g for g in grads if g.numel()]
+    return list(torch._foreach_norm(grads, float("inf"))) if grads else []
 
 
 class ShardMemory(NamedTuple):
@@ -72,6 +103,9 @@ class GradStore(ABC):
         """Hybrid sharding: the ranks holding the same shard; each reduced shard is summed
         across them, so a gradient is divided by every rank of the world, not of the group."""
         self._pending: tuple[Handle, torch.Tensor | None] | None = None
+        self._crossed = False
+        """Hybrid sharding: the pending reduction is the one across replicas (the group's
+        is in)."""
         self._shard_memory: ShardMemory | None = None
 
     def use_shard_memory(self, memory: ShardMemory | None) -> None:
@@ -113,17 +147,38 @@ class GradStore(ABC):
         reduce = comm.reduce_scatter_int8 if self.int8 else comm.reduce_scatter
         return reduce(out, local, async_op=True)
 
-    def _across_replicas(self, reduced: torch.Tensor) -> None:
-        """Hybrid sharding: add the other replicas' reductions of this shard (the only
-        traffic between shard groups)."""
-        if self.replicas is not None:
-            self.replicas.all_reduce(reduced)
+    def advance(self) -> bool:
+        """Hybrid sharding: once the group's reduction is in, start adding the other
+        replicas' (the only traffic between shard groups) without waiting, so it crosses
+        while backward goes on; polled by the runtime in launch order. Whether the crossing
+        has started (or there is none to start)."""
+        if self.replicas is None or self._pending is None or self._pending[1] is None:
+            return True
+        if not self._crossed:
+            if not self._pending[0].ready():
+                return False
+            self._cross()
+        return True
 
-    def wait(self) -> torch.Tensor | None:
+    def _cross(self) -> None:
+        assert self.replicas is not None and self._pending is not None
+        handle, out = self._pending
+        assert out is not None
+        handle.wait()
+        reduce = self.replicas.all_reduce_int8 if self.int8 else self.replicas.all_reduce
+        self._pending = (reduce(out, async_op=True), out)
+        self._crossed = True
+
+    def wait(self, cross: bool = True) -> torch.Tensor | None:
+        """The reduced tensor, once in; ``cross``: summed across replicas too (hybrid
+        sharding; not for a reduction of a pass being abandoned)."""
         handle, out = self._pending if self._pending else (None, None)
+        if cross and out is not None and self.replicas is not None and not self._crossed:
+            self._cross()
+            handle, out = self._pending if self._pending else (None, None)
         if handle is not None:
             handle.wait()
-        self._pending = None
+        self._pending, self._crossed = None, False
         return out
 
 
@@ -186,9 +241,8 @@ class ScatteredFullGrads(GradStore):
         self._pending = (self._reduce_scatter(comm, out, self.buffer), out)
 
     def finish_reduce(self) -> None:
-        reduced = self.wait()
+        reduced = self.wait()  # across replicas too
         assert reduced is not None
-        self._across_replicas(reduced)
         lo, hi = self._bounds
         self.buffer[:lo].zero_()  # the owned part is overwritten: no pass over it
         self.buffer[hi:].zero_()
@@ -278,9 +332,9 @@ class ShardedGrads(GradStore):
         self._pending = (self._reduce_scatter(comm, out, local), out)
 
     def finish_reduce(self) -> None:
+        # Across replicas too: only this reduction (earlier ones were summed already).
         reduced = self.wait()
         assert reduced is not None and self.local is not None
-        self._across_replicas(reduced)  # only this reduction: earlier ones were summed already
         if reduced is not self._shard:
             if self._shard_memory is not None:  # the last pass's may still be written back
                 self._shard_memory.ready([self.grad_shard])
@@ -290,7 +344,7 @@ class ShardedGrads(GradStore):
         self._drop_local()
 
     def zero(self) -> None:
-        in_flight = self.wait()  # a pass cut short may have left a reduction running
+        in_flight = self.wait(cross=False)  # a pass cut short may have left one running
         if in_flight is not None and in_flight is not self._shard:
             self.pool.give(in_flight)
         if self._shard is not None and self._shard_memory is not None:

@@ -59,15 +59,16 @@ class HookSet:
         # Collectives and storage resizes cannot be traced: under torch.compile the hooks
         # run eagerly between graphs.
         @eager
-        def pre(module: torch.nn.Module, args: Any) -> None:
-            runtime.pre_forward(unit)
+        def pre(module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+            return runtime.pre_forward(unit, args, kwargs)
 
         @eager
         def post(module: torch.nn.Module, args: Any, output: Any) -> None:
             runtime.post_forward(unit, output)
 
         # prepend: gather before any user pre-hook may touch the parameters.
-        self._handles.append(unit.module.register_forward_pre_hook(pre, prepend=True))
+        self._handles.append(unit.module.register_forward_pre_hook(pre, prepend=True,
+                                                                   with_kwargs=True))
         self._handles.append(unit.module.register_forward_hook(post))
 
     def remove(self) -> None:

@@ -19,6 +19,11 @@ the only code that changes what the module's parameters hold:
 - UNSHARDED: parameters are views of the gathered buffer. Tensors autograd saved during
   forward alias the buffer's storage object, which is lent memory rather than replaced, so
   they see the re-gathered values in backward.
+
+Each store's ``MOVES`` lists, per operation, the states it starts from and the one it leads
+to (a no-op where the store is already there: ``finish_unshard`` with nothing in flight);
+``StateMachine._to`` (``states.py``) is the only code that changes ``ParamState`` and refuses
+any other move by name.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from .buffers import BufferPool
 from .flat import FlatLayout
 from .grads import ShardMemory
 from .precision import PrecisionPolicy
+from .states import Moves, StateMachine
 from .storage import alias_count
 
 if TYPE_CHECKING:
@@ -44,8 +50,14 @@ if TYPE_CHECKING:
 
 class ParamState(enum.Enum):
     SHARDED = "sharded"
+    """Only this rank's shard exists; the parameters hold placeholders (stage 3)."""
     GATHERING = "gathering"
+    """An all-gather is writing the whole compute copy."""
     UNSHARDED = "unsharded"
+    """The whole compute copy is the parameters' value."""
+
+
+_P = ParamState
 
 
 class Placement:
@@ -160,8 +172,10 @@ def _point_params_at(params: list[nn.Parameter], layout: FlatLayout, full: torch
         p.data = full[slot.offset : slot.end].view(slot.shape)
 
 
-class ParamStore(ABC):
-    """The compute copy (what forward reads) and the master shard (what the optimizer updates)."""
+class ParamStore(StateMachine, ABC):
+    """The compute copy (what forward reads) and the master shard (what the optimizer updates).
+
+    Its ``ParamState`` changes only in ``_to``, by the store's ``MOVES``."""
 
     layout: FlatLayout
     master: torch.Tensor
@@ -170,7 +184,10 @@ class ParamStore(ABC):
     """True when the compute copy must be gathered before the module runs (forward hooks)."""
 
     def __init__(self, layout: FlatLayout, rank: int, policy: PrecisionPolicy,
-                 placement: Placement):
+                 placement: Placement, name: str, module: str):
+        self.name = name
+        self.module = module
+        """The module whose parameters these are (errors name it)."""
         self.layout = layout
         self.rank = rank
         self.policy = policy
@@ -188,14 +205,19 @@ class ParamStore(ABC):
             self._reading_host.wait_host()
             self._reading_host = None
 
+    def _owner(self) -> str:
+        return (f"parameter store {self.name} ({type(self).__name__}) of module "
+                f"{self.module or '<root>'!r}")
+
     @property
-    @abstractmethod
     def state(self) -> ParamState:
         """Whether the compute copy is whole on this rank right now."""
+        return self._state
 
     @abstractmethod
-    def start_unshard(self, comm: Communicator) -> None:
-        """Begin making the compute copy whole (asynchronously where it needs communication)."""
+    def start_unshard(self, comm: Communicator, channel: int | None = None) -> None:
+        """Begin making the compute copy whole (asynchronously where it needs communication);
+        ``channel``: the gather's own (``Communicator.all_gather``)."""
 
     @abstractmethod
     def finish_unshard(self) -> None:
@@ -287,12 +309,23 @@ class ReplicatedParams(ParamStore):
     """
 
     gathers = False
+    MOVES: Moves = {
+        # Always whole: already, or once the post-step gather in flight has landed.
+        "start_unshard": {_P.UNSHARDED: _P.UNSHARDED, _P.GATHERING: _P.GATHERING},
+        "finish_unshard": {_P.GATHERING: _P.UNSHARDED, _P.UNSHARDED: _P.UNSHARDED},
+        # The compute copy is never freed.
+        "reshard": {_P.UNSHARDED: _P.UNSHARDED, _P.GATHERING: _P.GATHERING},
+        # The all-gather of every rank's updated slice (``after_step`` waits for an earlier
+        # one first).
+        "gather_update": {_P.UNSHARDED: _P.GATHERING},
+    }
 
     def __init__(
         self, params: list[nn.Parameter], layout: FlatLayout, rank: int,
         policy: PrecisionPolicy, placement: Placement, comm: Communicator, name: str = "unit",
+        module: str = "",
     ) -> None:
-        super().__init__(layout, rank, policy, placement)
+        super().__init__(layout, rank, policy, placement, name, module)
         flat = _initial_flat(params, layout, policy.master_dtype, placement.device, comm)
         lo, hi = self.bounds
         self.master_is_view = not (policy.separate_master or placement.offload_optimizer)
@@ -305,25 +338,21 @@ class ReplicatedParams(ParamStore):
             self.master.copy_(flat[lo:hi])
             self.full = flat.to(policy.compute_dtype)
         _point_params_at(params, layout, self.full)
-        self._state = ParamState.UNSHARDED
+        self._state = ParamState.UNSHARDED  # born whole
         self._handle: Handle | None = None
         placement.done_with([self.master], dirty=True)
 
-    @property
-    def state(self) -> ParamState:
-        return self._state
-
-    def start_unshard(self, comm: Communicator) -> None:
-        return None
+    def start_unshard(self, comm: Communicator, channel: int | None = None) -> None:
+        self._to("start_unshard")
 
     def finish_unshard(self) -> None:
-        if self._handle is not None:
-            self._handle.wait()
-            self._handle = None
-        self._state = ParamState.UNSHARDED
+        if self._to("finish_unshard") is ParamState.GATHERING:
+            handle, self._handle = self._handle, None
+            assert handle is not None
+            handle.wait()
 
     def reshard(self) -> None:
-        return None
+        self._to("reshard")
 
     def write_param(self, index: int, value: torch.Tensor) -> None:
         self.finish_unshard()  # else the gather in flight would overwrite the value
@@ -357,7 +386,7 @@ class ReplicatedParams(ParamStore):
             self._reading_host = pending
         if self.layout.num_shards > 1:
             self._handle = comm.all_gather(self.full, own, async_op=True)
-            self._state = ParamState.GATHERING
+            self._to("gather_update")
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"params": [self.full], "master": [] if self.master_is_view else [self.master]}
@@ -367,12 +396,24 @@ class ShardedParams(ParamStore):
     """Stage 3: only this rank's shard persists; the whole copy exists between gather and free."""
 
     gathers = True
+    MOVES: Moves = {
+        "start_unshard": {_P.SHARDED: _P.GATHERING},
+        # From SHARDED: nothing to wait for (``Runtime.settle`` waits on every store).
+        "finish_unshard": {_P.GATHERING: _P.UNSHARDED, _P.UNSHARDED: _P.UNSHARDED,
+                           _P.SHARDED: _P.SHARDED},
+        # After ``finish_unshard``: memory a collective is still writing is never freed.
+        "reshard": {_P.UNSHARDED: _P.SHARDED, _P.SHARDED: _P.SHARDED},
+        # The master into the at-rest shard, never while a gather reads it; a unit that
+        # ``gathered_parameters()`` holds stays whole.
+        "after_step": {_P.SHARDED: _P.SHARDED, _P.UNSHARDED: _P.UNSHARDED},
+    }
 
     def __init__(
         self, params: list[nn.Parameter], layout: FlatLayout, rank: int,
         policy: PrecisionPolicy, placement: Placement, comm: Communicator, name: str = "unit",
+        module: str = "",
     ) -> None:
-        super().__init__(layout, rank, policy, placement)
+        super().__init__(layout, rank, policy, placement, name, module)
         flat = _initial_flat(params, layout, policy.master_dtype, placement.device, comm)
         lo, hi = self.bounds
         self.shard = placement.shard_empty(layout.shard_numel, policy.compute_dtype,
@@ -399,15 +440,11 @@ class ShardedParams(ParamStore):
         self._views = [self.full[slot.offset : slot.end].view(slot.shape)
                        for slot in layout.slots]
         _point_params_at(params, layout, self.full)
-        self._state = ParamState.UNSHARDED
+        self._state = ParamState.UNSHARDED  # born whole, resharded at once
         self._handle: Handle | None = None
         self._source: torch.Tensor | None = None
         self.reshard()
         placement.done_with([self.shard, self.master], dirty=True)
-
-    @property
-    def state(self) -> ParamState:
-        return self._state
 
     def _device_shard(self) -> torch.Tensor:
         self.placement.before_read([self.shard])
@@ -422,38 +459,36 @@ class ShardedParams(ParamStore):
         self._reading_host = pending
         return staged
 
-    def start_unshard(self, comm: Communicator) -> None:
-        if self._state is not ParamState.SHARDED:
-            return
+    def start_unshard(self, comm: Communicator, channel: int | None = None) -> None:
+        self.expect("start_unshard")
         self.pool.lend(self.full.untyped_storage(), self._full_nbytes)
         self._source = self._device_shard()
         gather = comm.all_gather_int8 if self.policy.int8_gathers else comm.all_gather
-        self._handle = gather(self.full, self._source, async_op=True)
-        self._state = ParamState.GATHERING
+        self._handle = gather(self.full, self._source, async_op=True, channel=channel)
+        self._to("start_unshard")
 
     def finish_unshard(self) -> None:
-        if self._state is ParamState.GATHERING:
-            assert self._handle is not None
-            self._handle.wait()
-            self._handle = None
-            self._source = None
-            for p, view in zip(self.params, self._views):
-                p.data = view
-            self._state = ParamState.UNSHARDED
-            # The whole copy serves until the reshard: the shard's memory need not be held
-            # beside it (a disk tier keeps it only among the most recent, up to its budget).
-            self.placement.done_with([self.shard], dirty=False, keep=True)
+        if self._to("finish_unshard") is not ParamState.GATHERING:
+            return  # whole already, or nothing gathered: listed in MOVES
+        handle, self._handle, self._source = self._handle, None, None
+        assert handle is not None
+        handle.wait()
+        for p, view in zip(self.params, self._views):
+            p.data = view
+        # The whole copy serves until the reshard: the shard's memory need not be held
+        # beside it (a disk tier keeps it only among the most recent, up to its budget).
+        self.placement.done_with([self.shard], dirty=False, keep=True)
 
     def reshard(self) -> None:
         self.finish_unshard()  # never free memory a collective is still writing
-        if self._state is ParamState.UNSHARDED:
-            for p, placeholder in zip(self.params, self._placeholders):
-                p.data = placeholder
-            self.pool.reclaim(self.full.untyped_storage())
-            self._state = ParamState.SHARDED
-            # The units freed last are gathered first by the next pass (backward runs
-            # forward's order backwards; the step begins with backward's last units).
-            self.placement.done_with([self.shard], dirty=False, keep=True)
+        if self._to("reshard") is not ParamState.UNSHARDED:
+            return  # sharded already: listed in MOVES
+        for p, placeholder in zip(self.params, self._placeholders):
+            p.data = placeholder
+        self.pool.reclaim(self.full.untyped_storage())
+        # The units freed last are gathered first by the next pass (backward runs
+        # forward's order backwards; the step begins with backward's last units).
+        self.placement.done_with([self.shard], dirty=False, keep=True)
 
     def read_ahead(self) -> None:
         if self._state is ParamState.SHARDED:
@@ -504,6 +539,7 @@ class ShardedParams(ParamStore):
             comm.all_gather(self.full, self._device_shard())
 
     def after_step(self, comm: Communicator) -> None:
+        self._to("after_step")
         if self.master is not self.shard:
             self.wait_host_copies()  # an offloaded shard may still be read by a staging copy
             self.placement.before_write([self.shard])

@@ -82,6 +82,11 @@ class ZeroPlan:
             + (", parameters offloaded to CPU" if self.offload_params else "")
         )
 
+    @property
+    def shards_params(self) -> bool:
+        """Stage 3: parameters live as shards, frozen ones outside the optimizer included."""
+        return self.layout.main.params == "sharded"
+
 
 def make_plan(config: ZeroConfig, world_size: int) -> ZeroPlan:
     return ZeroPlan(

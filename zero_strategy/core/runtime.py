@@ -13,10 +13,11 @@ different code (mixture-of-experts routing leaves an expert unused on one rank o
   rank is launched at the end of backward, still in that order;
 - where backward also gathers (stage 3) and the gather order is checked on the host, each
   check also exchanges how many units each rank has complete, and reductions are launched
-  only up to the smallest count, at those checks: every rank then launches the same
-  reductions at the same point of the gather sequence, so a rank waiting for a reduction
-  (the in-flight window) never waits for a peer that waits for a gather this rank has not
-  issued. Without it, which comes first on a rank when ranks run different modules (experts),
+  only up to the smallest count, at those checks (when a gather's headers are read, or at a
+  blocking check): every rank then launches the same reductions at the same point of the
+  gather sequence, so a rank waiting for a reduction (the in-flight window) never waits for
+  a peer that waits for a gather this rank has not issued. Without it, which comes first on
+  a rank when ranks run different modules (experts),
   a unit's completion or the next unit's gather, depends on its data, and two ranks could
   hang each other (found by tests/support/space.py);
 - a module's forward inside backward is a checkpointed module recomputing: its units are
@@ -25,20 +26,29 @@ different code (mixture-of-experts routing leaves an expert unused on one rank o
   without checkpointing; and since backward then needs units block by block, each block's in
   forward order, it prefetches along the order the previous backward needed them;
 - stage-3 gathers follow the modules that run, so with ``check_gather_order`` each gather is
-  preceded by a tiny all-gather of the unit's index, and ranks that disagree raise an error
-  naming both units instead of exchanging the wrong shards or hanging. When the group
-  communicates host tensors (gloo on CPU) the check blocks before the gather, so units of
-  different sizes never meet in one collective. On a GPU, reading the indices would stall the
-  host once per unit: there the exchange is issued with the gather (its tag a view of one
-  index tensor made once, so nothing is copied from the host) and read once, at the end of
-  backward (or after ``DEFERRED_TAGS`` gathers), still before the step can use anything
-  gathered; units of different sizes then meet in one collective, which nccl ends with its
-  own timeout. ``check_gather_order="blocking"`` asks for the host check on a GPU too.
+  accompanied by a tiny all-gather of the unit's index, and ranks that disagree raise an
+  error naming both units instead of exchanging the wrong shards or hanging. When the group
+  communicates host tensors (gloo on CPU) the index travels as a header sent beside the
+  gather without waiting (a blocking round trip per unit would put the link's latency, and
+  every byte queued ahead on it, between the gathers: across nodes the step would cost the
+  link plus the compute); each unit's rows travel on a channel of their own, so a rank
+  gathering another unit at the same point never receives them (units of different sizes
+  never meet: gloo aborts on a longer message), and the headers are read in gather order
+  before a unit's rows are waited for. After a pass cut short, ``reset`` has every rank
+  issue the gathers and headers its peers issued and it did not, so nothing stays unmatched.
+  On a GPU, reading the indices would stall the host once per unit: there the exchange is
+  issued with the gather (its tag a view of one index tensor made once, so nothing is
+  copied from the host) and read once, at the end of backward (or after ``DEFERRED_TAGS``
+  gathers), still before the step can use anything gathered; units of different sizes then
+  meet in one collective, which nccl ends with its own timeout.
+  ``check_gather_order="blocking"`` asks for a check that blocks before each gather.
 """
 
 from __future__ import annotations
 
 import enum
+import zlib
+from collections import deque
 from typing import Any
 
 import torch
@@ -46,9 +56,17 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
 from ..comm.collectives import Communicator, Handle
-from .autograd import queue_end_of_backward, register_pre_backward
+from .autograd import (
+    Inputs,
+    queue_end_of_backward,
+    register_post_backward,
+    register_pre_backward,
+)
 from .devices import from_host
 from .params import ParamState
+from .progress import StepProgress
+from .routed import routed_blocks
+from .states import StateMachine, every
 from .units import Unit
 
 # Reductions in flight at once. Each holds a unit's full-size local gradient buffer until it
@@ -81,26 +99,59 @@ class TrainingState(enum.Enum):
     """Gradients are arriving; reductions are launched in the order fixed at its start."""
     POST_BACKWARD = "post-backward"
     """The end-of-backward callback: waiting for reductions, agreeing on used parameters."""
+    FORWARD_FAILED = "forward-failed"
+    """The engine's forward raised: what it gathered waits for ``reset`` (``zero_grad()``)."""
+    BACKWARD_FAILED = "backward-failed"
+    """``engine.backward`` raised: ranks may have launched different reductions, which
+    ``reset`` matches with the peers'."""
 
 
 _S = TrainingState
-_ENTERED_FROM: dict[TrainingState, frozenset[TrainingState]] = {
-    # FORWARD again: a forward that raised, not followed by zero_grad(), or nested in another.
-    _S.FORWARD: frozenset({_S.IDLE, _S.PRE_BACKWARD, _S.FORWARD}),
-    _S.PRE_BACKWARD: frozenset({_S.FORWARD}),
+_LIVE = (_S.FORWARD, _S.BACKWARD, _S.POST_BACKWARD)
+"""A pass running now: an engine call in one of them comes from a hook inside it."""
+_GRADS_READ = ("step", "clip_grad_norm_", "clip_grad_value_", "get_global_grad_norm")
+"""Engine calls that read the reduced gradients: only with no pass in progress."""
+_MOVES: dict[str, dict[TrainingState, TrainingState]] = {
+    # FORWARD again: a forward nested in another, or one after a forward that raised (a
+    # batch-size finder retries before its zero_grad()). BACKWARD stays: a checkpointed
+    # module (or the whole forward) recomputing inside backward.
+    "forward": {_S.IDLE: _S.FORWARD, _S.PRE_BACKWARD: _S.FORWARD, _S.FORWARD: _S.FORWARD,
+                _S.FORWARD_FAILED: _S.FORWARD, _S.BACKWARD: _S.BACKWARD},
+    # From PRE_BACKWARD or IDLE: a nested forward, or a backward run inside the forward (a
+    # gradient penalty), ended first; the outer forward's output still waits for backward.
+    "end_forward": {_S.FORWARD: _S.PRE_BACKWARD, _S.PRE_BACKWARD: _S.PRE_BACKWARD,
+                    _S.IDLE: _S.PRE_BACKWARD, _S.BACKWARD: _S.BACKWARD},
+    "end_forward_no_grad": {_S.FORWARD: _S.IDLE, _S.IDLE: _S.IDLE,
+                            _S.PRE_BACKWARD: _S.PRE_BACKWARD, _S.BACKWARD: _S.BACKWARD},
     # From IDLE: a backward through parameters read outside forward; from FORWARD: autograd
     # run inside the model's own forward (a gradient penalty).
-    _S.BACKWARD: frozenset({_S.IDLE, _S.FORWARD, _S.PRE_BACKWARD}),
-    _S.POST_BACKWARD: frozenset({_S.BACKWARD}),
-    _S.IDLE: frozenset({_S.FORWARD, _S.POST_BACKWARD}),
+    "backward": {_S.IDLE: _S.BACKWARD, _S.FORWARD: _S.BACKWARD, _S.PRE_BACKWARD: _S.BACKWARD},
+    "end_backward": {_S.BACKWARD: _S.POST_BACKWARD},
+    "backward_done": {_S.POST_BACKWARD: _S.IDLE},
+    # An exception may leave a pass anywhere. A forward that raised inside a backward (or
+    # with a backward of its own in progress) leaves that backward's reductions to match.
+    "forward_failed": {**every(TrainingState, _S.FORWARD_FAILED),
+                       _S.BACKWARD: _S.BACKWARD_FAILED, _S.POST_BACKWARD: _S.BACKWARD_FAILED,
+                       _S.BACKWARD_FAILED: _S.BACKWARD_FAILED},
+    "backward_failed": every(TrainingState, _S.BACKWARD_FAILED),
+    # Not from a pass running now: forgetting it under its feet would free what it uses
+    # (its backward then ends in a state no pass has).
+    "reset": {s: _S.IDLE for s in TrainingState if s not in _LIVE},
+    **{call: {_S.IDLE: _S.IDLE} for call in _GRADS_READ},
 }
 
 
-class Runtime:
+class Runtime(StateMachine):
+    MOVES = _MOVES
+
     def __init__(self, units: list[Unit], comm: Communicator, root: torch.nn.Module,
                  prefetch: bool, check_gather_order: bool,
-                 world: Communicator | None = None, blocking_order_check: bool = False) -> None:
+                 world: Communicator | None = None, blocking_order_check: bool = False,
+                 progress: StepProgress | None = None) -> None:
         self.units = units
+        self.progress = StepProgress() if progress is None else progress
+        """The step's phase: a synchronised backward that ended leaves its gradients
+        reduced (``reduce``)."""
         self.comm = comm
         self.world = world or comm
         """Every rank (``comm`` is the shard group under hybrid sharding): they all check the
@@ -109,14 +160,22 @@ class Runtime:
         self.prefetch = prefetch
         self.check_gather_order = check_gather_order and comm.world_size > 1
         self.defer_order_check = comm.device.type != "cpu" and not blocking_order_check
+        self.header_order_check = comm.device.type == "cpu" and not blocking_order_check
+        """Host tensors (gloo): each gather sends a header (the unit, and in backward how many
+        units this rank has complete) to every rank beside its rows, without waiting; the
+        headers are read, in gather order, before a unit's rows are waited for."""
+        self._headers: deque[tuple[Unit, torch.Tensor, Handle]] = deque()
+        self._headers_sent = 0
         self._indices: torch.Tensor | None = None
         """Every unit's index on the device, made once: the gather-order tag of a unit is a
         view of it, so tagging a gather copies nothing from the host."""
         self._tags: list[tuple[Unit, torch.Tensor, Handle]] = []
+        self._hooked: set[int] = set()
+        """Units whose output the last forward hooked for backward: those backward gathers."""
+        self._trainable: tuple[bool, ...] | None = None
+        """Every parameter's ``requires_grad`` as last agreed by the ranks."""
         self.root_unit = next((u for u in units if u.module is root), None)
         self.sync = True
-        self.grads_pending_step = False
-        """True once a synchronised backward has finished and its gradients are reduced."""
         self._order: list[Unit] = []
         self._previous_order: list[Unit] = []
         self._backward_trace: list[Unit] = []
@@ -137,6 +196,13 @@ class Runtime:
         self._pinned: set[int] = set()
         """Units kept whole until the end of backward: read outside their module's forward,
         or returned (a view of) their parameters from it."""
+        routed = routed_blocks(root)
+        self._routed = {u.index for u in units if u.module is not None and id(u.module) in routed}
+        """Routed blocks (mixture of experts): reduced once their module's backward ended,
+        whatever experts idle on this rank did not send (``_post_backward``)."""
+        self._reduced_early: set[int] = set()
+        """Routed blocks reduced so in this backward: a gradient of theirs arriving after
+        that would be lost, and is refused."""
         self._held: dict[int, int] = {}
         """Units ``engine.gathered_parameters()`` keeps whole (how many blocks hold each): no
         forward, backward or inference pass frees them until the block ends."""
@@ -153,29 +219,80 @@ class Runtime:
         """The smallest ``_ready`` over the ranks at the last gather check, which launches may
         not pass (None: no limit)."""
         self._complete: set[int] = set()
-        self.interrupted = False
-        """An exception ended the last backward before its end (set by the engine)."""
-        self.state = TrainingState.IDLE
+        self._state = TrainingState.IDLE
 
-    def _to(self, state: TrainingState) -> None:
-        if self.state not in _ENTERED_FROM[state]:
-            raise RuntimeError(f"zero_strategy runtime: {self.state.value} -> {state.value} is "
-                               "not a transition a training pass makes (an engine call from "
-                               "inside a hook of the engine's own pass?)")
-        self.state = state
+    def _owner(self) -> str:
+        return f"the zero_strategy runtime of rank {self.comm.rank}"
+
+    def _hint(self, op: str) -> str:
+        state = self._state
+        if state in (_S.FORWARD_FAILED, _S.BACKWARD_FAILED):
+            return "A pass raised: engine.zero_grad() forgets it first"
+        if state not in _LIVE:
+            return ""
+        call = {"reset": "zero_grad"}.get(op, op)
+        why = {"step": "it would step with the gradients of some units not reduced yet",
+               "zero_grad": "it would forget gradients and free parameters the pass is still "
+                            "using"}.get(call, "the gradients of some units are not reduced yet"
+                                       if call in _GRADS_READ else "")
+        after = "the forward" if state is _S.FORWARD else "engine.backward(loss)"
+        return (f"engine.{call}() was called during {state.value}, from a hook inside the "
+                f"engine's own pass{': ' + why if why else ''}; call it after {after} returns")
 
     def idle(self) -> bool:
-        return self.state is TrainingState.IDLE
+        return self._state is TrainingState.IDLE
+
+    def failed_in(self, where: str) -> None:
+        """The engine's ``where`` ("forward" or "backward") raised: the pass is over here."""
+        self._to(f"{where}_failed")
 
     # ---------------------------------------------------------------- gathering
     def unshard(self, unit: Unit) -> None:
         store = unit.param_store
         if store.gathers and store.state is ParamState.SHARDED:
+            headers = (self.check_gather_order and self.header_order_check
+                       and not self.defer_order_check)
             if self.check_gather_order and self.defer_order_check:
                 self._tag_gather(unit)
+            elif headers:
+                self._send_header(unit)
             elif self.check_gather_order:
                 self._check_and_agree(unit)
-            store.start_unshard(self.comm)
+            # With headers, each unit its own channel: a rank gathering another unit at this
+            # point never receives its rows, and the header says so before they are waited for.
+            store.start_unshard(self.comm, channel=unit.index if headers else None)
+
+    def finish(self, unit: Unit) -> None:
+        """Wait until ``unit`` is whole, the order of every gather up to it checked first."""
+        self._read_headers(upto=unit)
+        unit.param_store.finish_unshard()
+
+    def _send_header(self, unit: Unit) -> None:
+        self._headers.append((unit, *self._send_header_of(unit.index)))
+
+    def _send_header_of(self, index: int) -> tuple[torch.Tensor, Handle]:
+        self._headers_sent += 1
+        mine = torch.tensor([index, self._ready], dtype=torch.int64)
+        out = torch.empty(2 * self.world.world_size, dtype=torch.int64)
+        return out, self.world.all_gather(out, mine, async_op=True)
+
+    def _read_headers(self, upto: Unit | None = None) -> None:
+        """Check the headers of the gathers issued so far, in order, up to ``upto``'s (all
+        by default). Each gather's headers agree how far reductions may be launched: the
+        least count of complete units any rank had when it issued that gather, so every rank
+        launches the same reductions at the same gather of the sequence."""
+        if upto is not None and all(u is not upto for u, _, _ in self._headers):
+            return
+        while self._headers:
+            unit, out, handle = self._headers.popleft()
+            handle.wait(host=True)  # read next
+            rows = out.view(self.world.world_size, 2).tolist()
+            self._check_tags(unit, [r[0] for r in rows])
+            if self._agreed is not None:
+                self._agreed = min(r[1] for r in rows)
+                self._launch_ready()
+            if unit is upto:
+                return
 
     def _check_and_agree(self, unit: Unit) -> None:
         """The host-side gather-order check; in backward it also agrees how far reductions
@@ -197,7 +314,9 @@ class Runtime:
             self.verify_gather_order()
 
     def verify_gather_order(self) -> None:
-        """Read the deferred gather-order tags (one host sync for all of them)."""
+        """Read the deferred gather-order tags (one host sync for all of them), or every
+        header not read yet."""
+        self._read_headers()
         if not self._tags:
             return
         pending, self._tags = self._tags, []
@@ -225,7 +344,7 @@ class Runtime:
         keep it whole until the end of backward (or of the step, without backward)."""
         with record_function("zero::gather_external"):
             self.unshard(unit)
-            unit.param_store.finish_unshard()
+            self.finish(unit)
         self._pinned.add(unit.index)
 
     def release(self, unit: Unit) -> None:
@@ -245,7 +364,7 @@ class Runtime:
         """Wait for every gather in flight (the post-step all-gathers of stages 1-2 among
         them): run before anything reads or writes whole compute copies outside forward."""
         for unit in self.units:
-            unit.param_store.finish_unshard()
+            self.finish(unit)
         self.verify_gather_order()
 
     def reshard_all(self) -> None:
@@ -256,23 +375,57 @@ class Runtime:
                 unit.param_store.reshard()
 
     # ---------------------------------------------------------------- forward
+    def follow_trainability(self, agree: bool) -> None:
+        """Which parameters require grad now. ``agree`` (a backward, which every rank runs):
+        checked against every rank whenever it changed (one exchange through the rendezvous
+        store then, none otherwise), since ``Unit.trains`` decides which units are reduced
+        and ranks that reduced different units would wait for each other forever. A forward
+        does not agree: a forward may run on one rank alone (a sample logged by rank 0 at
+        stages 0-2)."""
+        flags = tuple(p.requires_grad for unit in self.units for p in unit.params)
+        if agree and flags != self._trainable:
+            self._agree_trainability(flags)
+            self._trainable = flags
+        for unit in self.units:
+            trainable = [p.requires_grad for p in unit.params]
+            unit.trains = unit.trains or any(trainable)
+            unit.has_frozen = not all(trainable)
+
+    def _agree_trainability(self, flags: tuple[bool, ...]) -> None:
+        if self.world.world_size == 1:
+            return
+        # Through the store, not the group: metadata, so a step's collective bytes stay the
+        # same in the step where trainability changed (ZeRO's traffic formula per step).
+        mine = zlib.crc32(bytes(flags)) | len(flags) << 32
+        if len(set(self.world.agree(mine))) == 1:
+            return
+        names = [slot.name for unit in self.units for slot in unit.layout.slots]
+        every = self.world.all_gather_object(flags)
+        differ = [n for i, n in enumerate(names) if len({f[i] for f in every}) > 1]
+        raise RuntimeError(
+            f"zero_strategy: ranks disagree on which parameters require grad ({differ[:5]}"
+            f"{' ...' if len(differ) > 5 else ''} differ; rank by rank trainable counts "
+            f"{[sum(f) for f in every]}): freeze and unfreeze the same parameters on every "
+            "rank, between the same steps")
+
     def begin_forward(self) -> None:
-        if self.state is not TrainingState.BACKWARD:  # else recomputation inside backward
-            self._to(TrainingState.FORWARD)
+        self.follow_trainability(agree=False)
+        self._to("forward")
         if self._order:
             self._previous_order = self._order
-        self._order, self._in_order = [], set()
+        self._order, self._in_order, self._hooked = [], set(), set()
 
     def end_forward(self) -> None:
-        if self.state is TrainingState.FORWARD:
-            self._to(TrainingState.PRE_BACKWARD if torch.is_grad_enabled()
-                     else TrainingState.IDLE)
+        self._to("end_forward" if torch.is_grad_enabled() else "end_forward_no_grad")
 
-    def pre_forward(self, unit: Unit) -> None:
+    def pre_forward(self, unit: Unit, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Inputs | None:
+        """Gather ``unit`` for its module's call; the call's inputs, where they change (see
+        ``_follow_backward``)."""
         if self.recomputing():
             self._recomputed = True
             self.pre_backward(unit)  # the unit's backward follows its recomputation at once
-            return
+            return None
         with record_function("zero::gather"):
             if unit.index not in self._in_order:
                 self._in_order.add(unit.index)
@@ -280,11 +433,44 @@ class Runtime:
             self.unshard(unit)
             if self.prefetch:
                 self._prefetch_after(unit, self._previous_order)
-            unit.param_store.finish_unshard()
+            self.finish(unit)
+        return self._follow_backward(unit, args, kwargs)
+
+    def _follow_backward(self, unit: Unit, args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> Inputs | None:
+        """A unit with a frozen parameter is still read by its module's backward after its
+        trainable parameters got their gradients (the frozen weight computes the gradient of
+        the module's input, as under a LoRA adapter). Where the inputs require grad, the end
+        of that backward is observable: the unit is freed then, not at the end of the whole
+        backward (which would hold every frozen unit of a partial fine-tune at once). A
+        routed block is watched so too: an expert that got no token here sends no gradient,
+        so only the end of the block's backward says that every gradient it gets arrived."""
+        watched = unit.has_frozen or unit.index in self._routed
+        if not (watched and torch.is_grad_enabled()):
+            return None
+        inputs = register_post_backward(args, kwargs, lambda: self._post_backward(unit))
+        if inputs is not None:
+            unit.pending_calls += 1
+        return inputs
+
+    def _post_backward(self, unit: Unit) -> None:
+        """One call of ``unit``'s module has finished its backward. After the last, a routed
+        block still waiting for an idle expert's gradients is reduced (those count as zeros,
+        as under DDP) instead of at the end of backward, where it held its full-size
+        gradient and every reduction after it in the launch order."""
+        unit.pending_calls = max(unit.pending_calls - 1, 0)
+        if unit.pending_calls:
+            return
+        if unit.reduced_this_pass:
+            self.release(unit)
+        elif unit.index in self._routed and unit.index not in self._pinned:
+            if unit.expected:
+                self._reduced_early.add(unit.index)
+            self._finish_unit(unit)
 
     def recomputing(self) -> bool:
         """A module's forward inside backward: a checkpointed module recomputing."""
-        return self.state is TrainingState.BACKWARD and torch.is_grad_enabled()
+        return self._state is TrainingState.BACKWARD and torch.is_grad_enabled()
 
     def post_forward(self, unit: Unit, output: Any) -> None:
         if self.recomputing():
@@ -298,16 +484,28 @@ class Runtime:
         hooked = torch.is_grad_enabled() and register_pre_backward(
             leaves, lambda: self.pre_backward(unit)
         )
+        if hooked:
+            self._hooked.add(unit.index)
         if not torch.is_grad_enabled() and unit is self.root_unit:
             self.verify_gather_order()
             # Inference: nothing will need the parameters again (but what a
             # gathered_parameters() block holds: generate() inside one gathers once).
             self.reshard_all()
-        elif unit is not self.root_unit and (hooked or not torch.is_grad_enabled()):
-            # Only free what a pre-backward hook can bring back; an output we cannot hook
-            # keeps its unit gathered until the end of backward.
+        elif unit is not self.root_unit and (hooked or not torch.is_grad_enabled()
+                                             or self._out_of_backward(unit, leaves)):
+            # Only free what a pre-backward hook can bring back, or what no backward will
+            # read; an output we cannot hook keeps its unit gathered until the end of
+            # backward.
             with record_function("zero::free"):
                 self.release(unit)
+
+    @staticmethod
+    def _out_of_backward(unit: Unit, leaves: list[torch.Tensor]) -> bool:
+        """Whether no backward can read ``unit``: its outputs are tensors none of which
+        requires grad, and none of its parameters does (a frozen block before every
+        trainable one, as in head or norm tuning)."""
+        return (bool(leaves) and not any(t.requires_grad for t in leaves)
+                and not any(p.requires_grad for p in unit.params))
 
     def _prefetch_after(self, unit: Unit, order: list[Unit]) -> None:
         for i, u in enumerate(order[:-1]):
@@ -322,7 +520,9 @@ class Runtime:
     # ---------------------------------------------------------------- backward
     def _ensure_callback(self) -> None:
         if not self._callback_queued:
-            self._to(TrainingState.BACKWARD)
+            if self.sync:  # its end will leave the gradients reduced: refuse before any arrives
+                self.progress.expect("reduce")
+            self._to("backward")
             self._callback_queued = True
             queue_end_of_backward(self.end_backward)
             self._begin_backward()
@@ -332,11 +532,11 @@ class Runtime:
         which reductions are launched: the same on every rank whatever arrives."""
         for unit in self.units:
             unit.expected = sum(1 for p in unit.params if p.requires_grad)
-            if unit.expected < len(unit.params):
+            unit.trains = unit.trains or unit.expected > 0  # a backward with no forward
+            if unit.expected < len(unit.params) and not unit.pending_calls:
                 # A frozen parameter's value is still read after the unit's trainable ones
-                # have their gradients (for the gradient of the module's input, as with a
-                # frozen base weight beside a trainable adapter): the unit stays whole until
-                # the end of backward.
+                # have their gradients, and no input of its module showed when that backward
+                # ends (``_follow_backward``): the unit stays whole until the end of backward.
                 self._pinned.add(unit.index)
         gathers = any(u.param_store.gathers for u in self.units)
         agree = gathers and self.check_gather_order and not self.defer_order_check
@@ -348,9 +548,16 @@ class Runtime:
         self._complete = set()
         self._backward_trace, self._traced, self._recomputed = [], set(), False
         self._plan_reached = -1
+        self._reduced_early = set()
+        for unit in self.units:
+            if unit.expected == 0:  # complete already: no gradient can arrive for it
+                unit.reduced_this_pass = True
+                if self.sync:
+                    self._complete.add(unit.index)
 
     def pre_backward(self, unit: Unit) -> None:
         self._ensure_callback()
+        self._advance_crossings()
         if unit.index not in self._traced:
             self._traced.add(unit.index)
             self._backward_trace.append(unit)
@@ -358,7 +565,7 @@ class Runtime:
             self.unshard(unit)
             if self.prefetch:
                 self._prefetch_in_backward(unit)
-            unit.param_store.finish_unshard()
+            self.finish(unit)
 
     def _prefetch_in_backward(self, unit: Unit) -> None:
         """Gather the next unit backward will need: along the reverse of the forward, or
@@ -368,7 +575,11 @@ class Runtime:
         after it in that region, whose gradients are already reduced."""
         plan = self._backward_plan
         if not plan:
-            self._prefetch_after(unit, self._order[::-1])
+            # Along the units backward can reach (their outputs were hooked): a frozen block
+            # before everything that trains is never needed, and gathered it would stay
+            # whole to the end of backward.
+            self._prefetch_after(unit, [u for u in reversed(self._order)
+                                        if u.index in self._hooked])
             return
         position = self._plan_index.get(unit.index)
         if position is not None and position > self._plan_reached:
@@ -387,6 +598,14 @@ class Runtime:
 
     def on_grad(self, unit: Unit, index: int, param: torch.Tensor) -> None:
         self._ensure_callback()
+        if unit.index in self._reduced_early:
+            raise RuntimeError(
+                f"a gradient of {unit.layout.slots[index].name!r} arrived after its routed "
+                f"block {unit.name!r} was reduced (a routed block is reduced once its "
+                "module's backward ends, whatever experts idle on this rank did not send): "
+                "the parameter is read outside the block's forward too, on a path backward "
+                "reaches later, and its gradient would be lost; keep the expert's use inside "
+                "its block's forward")
         grad = param.grad
         assert grad is not None
         unit.grad_store.accumulate(index, grad)
@@ -403,10 +622,20 @@ class Runtime:
             self._complete.add(unit.index)
             self._launch_ready()
         # Every use of the unit's parameters is behind us once all their gradients arrived
-        # (a unit with frozen parameters is pinned instead: ``_begin_backward``).
-        self.release(unit)
+        # and every call's backward ended (a unit with frozen parameters whose end cannot be
+        # seen is pinned instead: ``_begin_backward``).
+        if unit.pending_calls == 0:
+            self.release(unit)
+
+    def _advance_crossings(self) -> None:
+        """Hybrid sharding: start the reductions across replicas of the launched units whose
+        group reduction is in, in launch order (the same order on every rank)."""
+        for unit in self._launched:
+            if not unit.grad_store.advance():
+                return
 
     def _launch_ready(self) -> None:
+        self._advance_crossings()
         order = self._launch_order
         while self._ready < len(order) and order[self._ready].index in self._complete:
             self._ready += 1
@@ -414,6 +643,8 @@ class Runtime:
         while self._cursor < limit:
             unit = order[self._cursor]
             self._cursor += 1
+            if not unit.trains:  # nothing to reduce, on every rank alike
+                continue
             with record_function("zero::reduce"):
                 unit.grad_store.launch_reduce(self.comm)
             self._launched.append(unit)
@@ -423,7 +654,7 @@ class Runtime:
     def end_backward(self) -> None:
         """Reduce what unused parameters left pending, wait for every reduction, agree on
         which parameters were used anywhere, free."""
-        self._to(TrainingState.POST_BACKWARD)
+        self._to("end_backward")
         with record_function("zero::end_backward"):
             self._agreed = None  # every rank reaches this point: it launches everything
             self._launch_ready()
@@ -431,6 +662,7 @@ class Runtime:
                 if not unit.reduced_this_pass:
                     self._finish_unit(unit)
                 unit.reduced_this_pass = False
+                unit.pending_calls = 0
             for unit in self._launched:
                 self._finish(unit)
             self._launched = []
@@ -444,15 +676,23 @@ class Runtime:
             self._backward_plan = self._backward_trace if self._recomputed else []
             self._plan_index = {u.index: i for i, u in enumerate(self._backward_plan)}
             self._callback_queued = False
-        self._to(TrainingState.IDLE)
+            if self.sync:  # only now: every unit's reduction has ended
+                self.progress.to("reduce")
+        self._to("backward_done")
 
     def reset(self) -> None:
         """Back to "no pass in progress": wait for collectives already issued, then forget
         counts, order and pins. Run by ``zero_grad()``, so an exception in the middle of a
-        pass leaves nothing behind."""
-        if self.interrupted:
+        pass leaves nothing behind (never from a pass running now: see ``_MOVES``)."""
+        self.expect("reset")
+        if self._state in (TrainingState.FORWARD_FAILED, TrainingState.BACKWARD_FAILED):
+            self._match_peers_gathers()
+            # The failed pass's order (possibly another on each rank) must not steer the
+            # next pass's prefetches: ranks would gather in different orders.
+            self._order, self._previous_order, self._backward_plan = [], [], []
+            self._plan_index = {}
+        if self._state is TrainingState.BACKWARD_FAILED:
             self._match_peers_launches()
-        self.interrupted = False
         for unit in self._launched:
             unit.grad_store.wait()
         self._launched = []
@@ -461,13 +701,53 @@ class Runtime:
         for unit in self.units:
             unit.ready = 0
             unit.reduced_this_pass = False
+            unit.pending_calls = 0
         self._complete = set()
+        self._reduced_early = set()
         self._cursor = self._ready = 0
         self._agreed = None
         self._callback_queued = False
-        self.grads_pending_step = False
         self.reshard_all()
-        self.state = TrainingState.IDLE  # from any state: the pass is abandoned
+        self._to("reset")  # only now: an error above leaves the pass to reset again
+
+    def _match_peers_gathers(self) -> None:
+        """After a pass cut short (a ``GatherOrderError`` among the causes), ranks may hold
+        gathers and headers no peer matched: another unit gathered at the same point, or
+        more of them. Through the store (a collective would queue behind them) every rank
+        learns which units each has in flight and how many headers each sent, then sends
+        what it lacks (zeros, into scratch memory), so every exchange issued anywhere
+        completes and none is left to match a later one; what arrives is discarded with the
+        pass."""
+        if (self.world.world_size == 1 or not self.header_order_check
+                or self.defer_order_check):
+            return
+        flying = [u for u in self.units if u.param_store.state is ParamState.GATHERING]
+        masks = dict(zip(self.world.global_ranks(),
+                         self.world.agree(sum(1 << u.index for u in flying))))
+        counts = self.world.agree(self._headers_sent)
+        group = [masks[r] for r in self.comm.global_ranks()]  # those this rank gathers with
+        extra: list[Handle] = []
+        for unit in self.units:
+            if any(m >> unit.index & 1 for m in group) and unit not in flying:
+                extra.append(self._gather_zeros(unit))
+        for _ in range(max(counts) - self._headers_sent):
+            self._send_header_of(-1)
+        for handle in extra:
+            handle.wait()
+        for _, _, handle in self._headers:
+            handle.wait()
+        self._headers.clear()
+        for unit in flying:
+            unit.param_store.finish_unshard()
+
+    def _gather_zeros(self, unit: Unit) -> Handle:
+        store = unit.param_store
+        rows = torch.empty(store.layout.padded_numel, dtype=store.full.dtype,
+                           device=self.comm.device)
+        mine = torch.zeros(store.layout.shard_numel, dtype=store.full.dtype,
+                           device=self.comm.device)
+        gather = self.comm.all_gather_int8 if store.policy.int8_gathers else self.comm.all_gather
+        return gather(rows, mine, async_op=True, channel=unit.index)
 
     def _match_peers_launches(self) -> None:
         """After a backward cut short by an exception (on every rank), ranks may have
@@ -484,6 +764,8 @@ class Runtime:
         while self._cursor < furthest:
             unit = self._launch_order[self._cursor]
             self._cursor += 1
+            if not unit.trains:
+                continue
             unit.grad_store.launch_reduce(self.comm)
             self._launched.append(unit)
 
@@ -503,7 +785,6 @@ class Runtime:
         unit.prepare_master_grad()
         self._resting.append(unit)
         self._rest_grads(keep=1 if unit.grad_in_flight else 0)
-        self.grads_pending_step = True
 
     def _rest_grads(self, keep: int) -> None:
         while len(self._resting) > keep:

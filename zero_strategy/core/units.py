@@ -9,7 +9,7 @@ experts, ``routed.py``) is one unit with everything below it, like a ``unit_leaf
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -17,10 +17,11 @@ from torch import nn
 from ..comm.collectives import Communicator
 from ..offload.transfers import Copy, Transfers
 from .flat import FlatLayout, make_layout
-from .grads import GRAD_STORES, GradStore, powered_norm
+from .grads import GRAD_STORES, GradStore, max_abs, powered_norm
 from .materialize import Materializer
 from .params import PARAM_STORES, ParamStore, Placement
 from .plan import UnitKind, ZeroPlan
+from .precision import LossScaler
 from .routed import routed_blocks
 
 NamedParams = list[tuple[str, nn.Parameter]]
@@ -40,6 +41,7 @@ class Unit:
     def __init__(
         self, index: int, spec: UnitSpec, layout: FlatLayout, param_store: ParamStore,
         grad_store: GradStore, params: list[nn.Parameter], offload_optimizer: bool,
+        scaler: LossScaler | None = None,
     ) -> None:
         self.index = index
         self.name = spec.name
@@ -56,6 +58,16 @@ class Unit:
         self.reduced_this_pass = False
         self.used = [False] * len(params)
         """Per parameter: a gradient arrived on this rank since the last step."""
+        self.trains = False
+        """Some parameter required grad at a forward or backward since the last step (the
+        same on every rank: ``Runtime.follow_trainability``). A unit that does not train is
+        not reduced: a frozen base sends nothing and holds no gradient."""
+        self.has_frozen = False
+        """Some parameter is frozen now: its module's backward may still read it (for the
+        gradient of the module's input), after every trainable one got its gradient."""
+        self.pending_calls = 0
+        """Calls of the module in this pass whose backward has not ended (its inputs required
+        grad: ``autograd.register_post_backward``); the unit is freed in backward only at 0."""
         self.stepped = [True] * len(params)
         """Per parameter: some rank produced a gradient for it since the last step, so the
         optimizer updates it (a parameter no rank used is skipped, as torch and DDP do)."""
@@ -63,16 +75,36 @@ class Unit:
         self._master_grad_buffer: torch.Tensor | None = None
         self._grad_copy: Copy | None = None
         """The copy writing an offloaded ``master_grad``, until the host waited for it."""
-        self.grad_summary: tuple[torch.Tensor, torch.Tensor] | None = None
-        """Disk tier: (2-norm ** 2, max-abs) of ``master_grad`` as last reduced, taken while
-        it was in memory, so clipping and the finiteness check need not read it back."""
+        self.scaler = scaler
+        """fp16: the loss scale the reduced gradient carries until the step divides it out."""
+        self._summary: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._summary_awaits: float | None = None
+        """The unscale factor ``_summary`` assumed that ``defer_unscale`` has not yet added."""
         self.pending_scales: list[torch.Tensor] = []
-        """Disk tier: clipping coefficients not yet multiplied into ``master_grad``: applied
-        (``settled_grad``) right before anything reads it, the step included, so the
-        gradient is read and written once per step instead of once per pass over it."""
+        """Disk tier: factors not yet multiplied into ``master_grad`` (the fp16 unscale, then
+        clipping coefficients, in order): applied (``scaled_grad``, ``settled_grad``) right
+        before anything reads it, the step included, so the gradient is read once per step
+        instead of once per pass over it."""
 
     def __repr__(self) -> str:
         return f"Unit({self.index}, {self.name or '<root>'!r}, numel={self.layout.numel})"
+
+    def relabel(self, groups: dict[str, int]) -> None:
+        """Parameters of this unit (by name) join optimizer ``groups`` where they lie: only
+        their slots' group changes (a layout keeps its order whatever the groups), so
+        neither the shards nor anything the optimizer holds moves."""
+        slots = tuple(replace(s, group=groups.get(s.name, s.group)) for s in self.layout.slots)
+        layout = replace(self.layout, slots=slots)
+        self.layout = layout
+        self.param_store.layout = layout
+        self.grad_store.layout = layout
+
+    @property
+    def has_grad(self) -> bool:
+        """Whether the last synchronised backward left a gradient to step: a unit no rank
+        produced one for (frozen, or unused) holds none, and reading ``master_grad`` would
+        allocate a shard of zeros for it."""
+        return any(self.stepped)
 
     @property
     def master_grad(self) -> torch.Tensor:
@@ -132,16 +164,48 @@ class Unit:
         if not placement.optimizer_disk or self._master_grad is None:
             return
         grad = self.master_grad  # waits for the copy
-        self.grad_summary = None
-        if grad.numel():  # the expressions the uncached passes evaluate, for equal bits
-            self.grad_summary = (powered_norm(grad, 2.0),
-                                 torch.linalg.vector_norm(grad, float("inf")))
+        self._summarise(grad)
         # Kept unwritten: the last gradients of backward are the step's first, and one kept
         # to the end of the step is cleared by zero_grad() without ever being written.
         placement.done_with([grad], dirty=True, keep=True)
 
+    def _summarise(self, grad: torch.Tensor) -> None:
+        """(2-norm ** 2, max-abs) of the gradient as the step will read it, divided by the
+        loss scale (fp16), while it is in memory: the expressions the uncached passes
+        evaluate on it once unscaled (``powered_norm``, ``max_abs``), for equal bits, so
+        clipping and the non-finite check need not read it back."""
+        self._summary = None
+        self._summary_awaits = None if self.scaler is None else 1.0 / self.scaler.scale
+        if not grad.numel():
+            return
+        if self._summary_awaits is None:
+            self._summary = (powered_norm(grad, 2.0), max_abs([grad])[0])
+            return
+        inv = torch.tensor(self._summary_awaits, dtype=torch.float32)
+        self._summary = (powered_norm(grad, 2.0, factor=inv), max_abs([grad])[0] * inv)
+
+    @property
+    def grad_summary(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Disk tier: (2-norm ** 2, max-abs) of ``scaled_grad()``, taken at reduction; None
+        where unknown (nothing reduced, a pass changed the gradient since, a clipping
+        coefficient waits) or not yet true (the fp16 unscale it assumed is not deferred yet)."""
+        return self._summary if self._summary_awaits is None else None
+
+    def defer_unscale(self, inv: float) -> None:
+        """fp16: divide by the loss scale when the gradient is next read. The summary taken at
+        reduction assumed this factor; with another (the scale changed since) it is dropped."""
+        self.pending_scales.append(torch.tensor(inv, dtype=torch.float32))
+        if self._summary_awaits != inv:
+            self._summary = None
+        self._summary_awaits = None
+
+    def defer_scale(self, coef: torch.Tensor) -> None:
+        """Multiply by the clipping coefficient ``coef`` when the gradient is next read."""
+        self.pending_scales.append(coef)
+        self._summary = None
+
     def scaled_grad(self) -> torch.Tensor:
-        """``master_grad`` with the deferred clipping applied, into a pooled buffer when there
+        """``master_grad`` with the deferred factors applied, into a pooled buffer when there
         is any: what the step reads, leaving the gradient's file clean (nothing to write
         back for a gradient the step is about to forget). Give it back with
         ``drop_scaled``."""
@@ -152,7 +216,7 @@ class Unit:
         return self._scale(out.copy_(grad))
 
     def _scale(self, grad: torch.Tensor) -> torch.Tensor:
-        """``grad`` times each pending clipping coefficient, in order (the multiplications
+        """``grad`` times each pending factor, in order (the multiplications the unscale and
         clipping in place would have made)."""
         for coef in self.pending_scales:
             grad.mul_(coef.to(grad.device).to(grad.dtype))
@@ -163,11 +227,11 @@ class Unit:
             self.param_store.placement.pool.give(scaled)
 
     def settled_grad(self) -> torch.Tensor:
-        """``master_grad`` with the deferred clipping applied; the caller may change it, so
+        """``master_grad`` with the deferred factors applied; the caller may change it, so
         its summary is dropped."""
         grad = self._scale(self.master_grad)
         self.pending_scales = []
-        self.grad_summary = None
+        self._summary = None
         return grad
 
     def step_tensors(self) -> list[torch.Tensor]:
@@ -193,8 +257,9 @@ class Unit:
             self._grad_copy = None
         self.grad_store.zero()
         self.used = [False] * len(self.params)
+        self.trains = False
         self._master_grad = None
-        self.grad_summary = None
+        self._summary = self._summary_awaits = None
         self.pending_scales = []
         if not self.offload_optimizer:
             self._master_grad_buffer = None
@@ -302,6 +367,7 @@ def build_units(
     model: nn.Module, managed: NamedParams, group_of: dict[int, int], plan: ZeroPlan,
     comms: UnitComms, placement: Placement,
     materializer: Materializer | None = None, first_index: int = 0,
+    scaler: LossScaler | None = None,
 ) -> list[Unit]:
     device, pool = placement.device, placement.pool
     policy = plan.policy
@@ -315,12 +381,14 @@ def build_units(
         if materializer is not None:  # only now: one unit's full values exist at a time
             materializer.ensure(params)
         pstore = PARAM_STORES[spec.kind.params](
-            params, layout, shard_rank, policy, placement, comms.world, name=f"u{index}"
+            params, layout, shard_rank, policy, placement, comms.world, name=f"u{index}",
+            module=spec.name,
         )
         gstore = GRAD_STORES[spec.kind.grads](layout, shard_rank, policy.reduce_dtype, device,
                                               pool, policy.int8_reductions, comms.replicas)
         gstore.use_shard_memory(placement.grad_shard_memory(f"u{index}.grad"))
-        unit = Unit(index, spec, layout, pstore, gstore, params, placement.offload_optimizer)
+        unit = Unit(index, spec, layout, pstore, gstore, params, placement.offload_optimizer,
+                    scaler)
         if placement.optimizer_disk:
             unit.reserve_disk()
         units.append(unit)

@@ -24,6 +24,7 @@ from ..checkpoint import write as checkpoint_write
 from ..checkpoint.save_hub import save_hub
 from ..config import ZeroConfig
 from ..core.materialize import InitFn
+from ..memory import phases as memory_phases
 from ..memory import report as memory_report
 from ..optim.combined import parts as optimizer_parts
 from . import setup, state
@@ -84,7 +85,7 @@ class ZeroEngine(EngineParts):
     def grads_pending(self) -> bool:
         """Whether reduced gradients wait for ``step()`` (a synchronising backward ran since
         the last step or ``zero_grad()``)."""
-        return bool(self.runtime.grads_pending_step)
+        return self.progress.grads_pending
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm of the whole gradient (over all shards); returns that norm."""
@@ -270,7 +271,7 @@ class ZeroEngine(EngineParts):
         """A pass an exception cut short and nobody ``zero_grad()``-ed (a batch-size finder
         caught it, then closes or reloads): its reductions are matched with the peers' and
         this rank's failure report cleared before the collectives that follow."""
-        if self._reported and not self._closed:
+        if self.progress.reported and not self._closed:
             self.zero_grad()
 
     # ------------------------------------------------------------------ checkpoints
@@ -300,7 +301,7 @@ class ZeroEngine(EngineParts):
                                           load_optimizer=load_optimizer,
                                           trust_pickles=trust_pickles)
         if load_optimizer:  # weights and optimizer states are one step's again
-            self._needs_reload = None
+            self.progress.to("reload")
         return client
 
     def load_pretrained(self, path: str | os.PathLike, *, strict: bool = True,
@@ -314,10 +315,29 @@ class ZeroEngine(EngineParts):
             return checkpoint_pretrained.load(self, path, key_map=key_map, strict=strict)
 
     # ------------------------------------------------------------------ observability
-    def memory_report(self) -> dict[str, int | float | str | None]:
+    def memory_report(self, activation_bytes: int | None = None
+                      ) -> dict[str, int | float | str | None]:
         """Model-state bytes this rank holds now, beside the ZeRO formula's prediction, and
-        what the last measured forward kept for backward (``measure_activations``)."""
-        return memory_report.report(self)
+        what the last measured forward kept for backward (``measure_activations``). Given the
+        activations' peak of a step (``zero_strategy.estimate_activations(...).peak_bytes``),
+        also each phase's bound on this rank's growth (``bound_<phase>_bytes``: load,
+        forward, backward, step, save; ``phase_bounds``)."""
+        report = memory_report.report(self)
+        if activation_bytes is not None:
+            bounds = self.phase_bounds(activation_bytes=activation_bytes)
+            report.update({f"bound_{p}_bytes": bounds.of(p) for p in memory_phases.PHASES})
+        return report
+
+    def phase_bounds(self, *, activation_bytes: int, loaded_whole: bool = False,
+                     bucket_bytes: int = checkpoint_export.DEFAULT_BUCKET_BYTES
+                     ) -> memory_phases.PhaseBounds:
+        """How far each phase of a training job may raise this rank's memory, by the ZeRO
+        formula for this engine's units, the parameters that train now and its precision,
+        with every term (``memory/phases.py``). ``activation_bytes``: the activations' peak
+        of a step; ``loaded_whole``: the model was loaded whole before the engine sharded it
+        (``Model.from_pretrained``), not streamed; ``bucket_bytes``: the streamed save's."""
+        return memory_phases.phase_bounds(self, activation_bytes=activation_bytes,
+                                          loaded_whole=loaded_whole, bucket_bytes=bucket_bytes)
 
     def predicted_memory(self) -> Any:
         return memory_report.predicted(self)

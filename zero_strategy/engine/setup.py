@@ -22,12 +22,14 @@ from ..core.access import ParamAccess
 from ..core.activations import Activations
 from ..core.buffers import BufferPool
 from ..core.devices import canonical_device
+from ..core.flat import FROZEN_GROUP
 from ..core.generation import GenerationMode
 from ..core.hooks import GenerationContext, HookSet, ModulePatches
 from ..core.materialize import InitFn, Materializer, has_meta
 from ..core.params import Placement
 from ..core.plan import make_plan
 from ..core.precision import LossScaler
+from ..core.progress import StepProgress
 from ..core.runtime import Runtime
 from ..core.units import NamedParams, build_units
 from ..memory.free import generation_budget
@@ -59,7 +61,7 @@ def build(parts: EngineParts, model: nn.Module,
     parts.forward_context = parts.plan.policy.forward_context(parts.device)
     user = as_one_optimizer(optimizer)
     existing = _existing_states(user)
-    managed, group_of = managed_parameters(model, user)
+    managed, group_of = managed_parameters(model, user, frozen_too=parts.plan.shards_params)
     for part in optimizer_parts(user):  # refusals before anything is built
         placement(part, parts.config.elementwise_optimizer)
     parts.param_names = {id(p): n for n, p in managed}
@@ -68,6 +70,8 @@ def build(parts: EngineParts, model: nn.Module,
     parts.user_optimizer = user
     parts._optimizer_signature = signature(user)
     _place(parts, user)
+    # Before the units: a unit's summary at reduction divides by the scale (disk tier).
+    parts.scaler = LossScaler(parts.config.loss_scale) if parts.plan.policy.scales_loss else None
     _build_units(parts, managed, group_of, materializer)
     _prepare_unmanaged(parts, {id(p) for _, p in managed})
     parts.optimizer = ShardedOptimizer(
@@ -77,12 +81,7 @@ def build(parts: EngineParts, model: nn.Module,
     disk.reserve_states(parts)
     _install(parts, model)
     _take_over_states(parts, existing)
-    parts.scaler = LossScaler(parts.config.loss_scale) if parts.plan.policy.scales_loss else None
-    parts._unscaled = False
-    parts._norm = None
     parts._closed = False
-    parts._needs_reload = None
-    parts._reported = False
     parts.global_step = 0
     parts.skipped_steps = 0
     parts._buffers = [b for b in model.buffers() if b is not None]
@@ -132,7 +131,8 @@ def _build_units(parts: EngineParts, managed: NamedParams, group_of: dict[int, i
                  materializer: Materializer | None) -> None:
     try:
         parts.units = build_units(parts.module, managed, group_of, parts.plan,
-                                  parts.unit_comms(), parts.placement, materializer)
+                                  parts.unit_comms(), parts.placement, materializer,
+                                  scaler=parts.scaler)
     except BaseException:
         if parts.tier is not None:
             parts.tier.close()
@@ -145,9 +145,11 @@ def _install(parts: EngineParts, model: nn.Module) -> None:
     """The runtime and everything that reaches into the user's objects: hooks on the model,
     class swaps for reads outside forward, the optimizer's ``state_dict`` through the engine."""
     plan = parts.plan
+    parts.progress = StepProgress()
     parts.runtime = Runtime(parts.units, parts.shards, model, plan.prefetch,
                             plan.check_gather_order, world=parts.comm,
-                            blocking_order_check=plan.blocking_order_check)
+                            blocking_order_check=plan.blocking_order_check,
+                            progress=parts.progress)
     parts.hooks = HookSet()
     parts.hooks.install(parts.units, parts.runtime)
     parts.access = ParamAccess(parts.units, parts.runtime, parts.shards, parts.param_names,
@@ -266,10 +268,14 @@ def _use_cuda_device(device: torch.device) -> None:
 
 
 def managed_parameters(
-    model: nn.Module, optimizer: torch.optim.Optimizer, *, strict: bool = True
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, strict: bool = True,
+    frozen_too: bool = False,
 ) -> tuple[NamedParams, dict[int, int]]:
     """The parameters the optimizer holds (deduplicated, registration order; frozen ones too,
     so unfreezing them later needs nothing but their gradient) and their optimizer group.
+    ``frozen_too`` (stage 3): frozen parameters outside the optimizer as well, in no group
+    (``FROZEN_GROUP``), so that a frozen base is sharded like the rest and no rank holds it
+    whole; those of a dtype the engine would change (fp64, complex) stay whole and exact.
     ``strict``: a trainable parameter outside the optimizer is an error (it would never be
     updated, and the user most likely forgot it)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -294,8 +300,12 @@ def managed_parameters(
                     "is not a parameter of the model: build the optimizer on model.parameters()"
                 )
             group_of[id(p)] = gi
-    managed = [(n, p) for n, p in model.named_parameters() if id(p) in group_of]
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
+    if frozen_too:
+        for _, p in model.named_parameters():
+            if id(p) not in group_of and not p.requires_grad and p.dtype in _TRAINABLE_DTYPES:
+                group_of[id(p)] = FROZEN_GROUP
+    managed = [(n, p) for n, p in model.named_parameters() if id(p) in group_of]
     if missing and strict:
         raise ValueError(
             f"trainable parameters missing from the optimizer: {missing[:5]}"

@@ -10,7 +10,9 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from ..core.units import build_units
+from ..core.flat import FROZEN_GROUP
+from ..core.progress import StepPhase
+from ..core.units import NamedParams, Unit, build_units
 from ..optim.combined import parts as optimizer_parts
 from .parts import EngineParts
 from .setup import managed_parameters, signature
@@ -18,71 +20,82 @@ from .setup import managed_parameters, signature
 
 def forward(parts: EngineParts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     parts.check_trainable("forward")
+    parts.runtime.expect("forward")  # before parameters are adopted below
     _follow_trainability(parts)
     parts.runtime.begin_forward()
-    if parts.plan.broadcast_buffers and parts._buffers:
-        with torch.no_grad(), record_function("zero::broadcast_buffers"):
-            parts.comm.broadcast_coalesced(parts._buffers)
-    args, kwargs = parts.plan.policy.cast_inputs(args, kwargs)
     try:
+        if parts.plan.broadcast_buffers and parts._buffers:
+            with torch.no_grad(), record_function("zero::broadcast_buffers"):
+                parts.comm.broadcast_coalesced(parts._buffers)
+        args, kwargs = parts.plan.policy.cast_inputs(args, kwargs)
         with record_function("zero::forward"), parts.activations.forward_pass(), \
                 parts.forward_context():
             output = parts.module(*args, **kwargs)
+        parts.runtime.end_forward()
     except BaseException as e:
         # The pass is abandoned (zero_grad() resets the runtime): what it saved for a
         # backward that will not come goes now, not when the caller drops the traceback.
         parts.activations.release_failed()
-        _report(parts, "forward", e)
+        _failed(parts, "forward", e)
         raise
-    parts.runtime.end_forward()
     return output
 
 
 def backward(parts: EngineParts, loss: torch.Tensor, **kwargs: Any) -> None:
     parts.check_trainable("backward")
+    parts.runtime.expect("backward")
+    parts.progress.expect("reduce")  # not after an unscale, a clip or a failure
     parts.hooks.ensure_grad_hooks(parts.units, parts.runtime)  # unfrozen since the forward
+    # Which units reduce, agreed by every rank before any does (no_sync reduces none).
+    parts.runtime.follow_trainability(agree=parts.runtime.sync)
     if parts.scaler is not None:
         loss = loss.float() * parts.scaler.scale
     with record_function("zero::backward"):
         try:
             loss.backward(**kwargs)
         except BaseException as e:
-            parts.runtime.interrupted = True  # zero_grad() matches the peers' reductions
             parts.activations.release_failed()  # every file the failed pass still holds
-            _report(parts, "backward", e)
+            _failed(parts, "backward", e)  # zero_grad() then matches the peers' reductions
             raise
 
 
+def _failed(parts: EngineParts, where: str, error: BaseException) -> None:
+    parts.runtime.failed_in(where)
+    _report(parts, where, error)
+    parts.progress.to("fail")
+
+
 def _unscale(parts: EngineParts) -> None:
-    if parts.scaler is None or parts._unscaled:
-        return
-    inv = 1.0 / parts.scaler.scale
-    for g in parts.optimizer.master_grads():
-        g.mul_(inv)
-    parts._unscaled = True
+    """fp16: divide the reduced gradients by the loss scale, once per step (the disk tier
+    defers the division to the step's read of each gradient)."""
+    if parts.scaler is None:
+        return  # no loss scale: reduced gradients are the true ones
+    if parts.progress.to("unscale") is not StepPhase.REDUCED:
+        return  # divided already (listed in StepProgress.MOVES)
+    parts.optimizer.unscale_grads(1.0 / parts.scaler.scale)
 
 
-def _require_reduced_grads(parts: EngineParts, what: str) -> None:
-    if not parts.runtime.grads_pending_step:
-        raise RuntimeError(
-            f"{what} needs reduced gradients: call engine.backward(loss) outside no_sync() "
-            "first (the last micro-batch of an accumulation window must synchronise)"
-        )
+def _expect_reduced(parts: EngineParts, call: str, op: str) -> None:
+    """Refuse ``call`` (it reads the reduced gradients) before it changes anything: from a
+    hook inside the engine's own pass (some units not reduced yet), after a pass that raised,
+    or before a synchronised backward."""
+    parts.runtime.expect(call)
+    parts.progress.expect(op)
 
 
 def clip_grad_norm_(parts: EngineParts, max_norm: float, norm_type: float) -> torch.Tensor:
-    _require_reduced_grads(parts, "clip_grad_norm_")
+    _expect_reduced(parts, "clip_grad_norm_", "clip_norm")
     if not max_norm > 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
     _unscale(parts)
     with record_function("zero::clip_grad_norm"):
         norm = parts.optimizer.clip_grad_norm_(max_norm, norm_type)
-    parts._norm = norm  # step() reads finiteness from it instead of another collective
+    parts.progress.clipped(norm)  # step() reads finiteness from it instead of a collective
     return norm
 
 
 def clip_grad_value_(parts: EngineParts, clip_value: float) -> None:
-    _require_reduced_grads(parts, "clip_grad_value_")
+    _expect_reduced(parts, "clip_grad_value_", "clip_value")
     if not clip_value > 0:
         raise ValueError(f"clip_value must be > 0, got {clip_value!r}")
     _unscale(parts)
@@ -92,7 +105,7 @@ def clip_grad_value_(parts: EngineParts, clip_value: float) -> None:
 
 
 def grad_norm(parts: EngineParts, norm_type: float) -> torch.Tensor:
-    _require_reduced_grads(parts, "get_global_grad_norm")
+    _expect_reduced(parts, "get_global_grad_norm", "read_norm")
     _unscale(parts)
     return parts.optimizer.grad_norm(norm_type)
 
@@ -103,8 +116,9 @@ def _nonfinite(parts: EngineParts) -> bool:
     flag built on the device (a single host sync per step)."""
     if parts.config.nonfinite_grads == "off" and parts.scaler is None:
         return False
-    if parts._norm is not None:
-        return not bool(torch.isfinite(parts._norm))
+    norm = parts.progress.norm
+    if norm is not None:
+        return not bool(torch.isfinite(norm))
     local = parts.optimizer.nonfinite_local(parts.device)
     return bool(parts.comm.all_reduce_max_to_host(local.reshape(1))[0])
 
@@ -112,7 +126,7 @@ def _nonfinite(parts: EngineParts) -> bool:
 def step(parts: EngineParts) -> bool:
     """The optimizer step, or a skip on every rank (see ``ZeroEngine.step``)."""
     parts.check_trainable("step")
-    _require_reduced_grads(parts, "step")
+    _expect_reduced(parts, "step", "step")
     _agree_before_update(parts)
     _refuse_stray_grads(parts)
     parts.runtime.settle()  # fp32 masters are views of compute copies a gather may write
@@ -142,11 +156,14 @@ def _update(parts: EngineParts) -> None:
     updated and the rest not: the engine refuses to train until a checkpoint is loaded,
     rather than go on from a state no run ever had. With a disk tier the ranks agree on
     that (``_agree_after_update``): one rank cut short leaves every rank refusing."""
+    progress = parts.progress
     inner = [part.inner for part in parts.optimizer.parts]
-    stepped: list[int] = []
     # The last pre-hook: once it ran, every other one passed and the update began (a post
     # hook could run after another that raised, past an update already made).
-    hooks = [opt.register_step_pre_hook(lambda *_: stepped.append(1)) for opt in inner]
+    def began(*_: Any) -> None:
+        progress.to("update")
+
+    hooks = [opt.register_step_pre_hook(began) for opt in inner]
     error: BaseException | None = None
     reload: list[int] = []
     try:
@@ -159,7 +176,8 @@ def _update(parts: EngineParts) -> None:
     try:
         if error is None and parts.tier is not None and parts.tier.failed is not None:
             error = parts.tier.failed
-        reload = _agree_after_update(parts, error, bool(stepped))
+        began = progress.phase is StepPhase.UPDATING
+        reload = _agree_after_update(parts, error, began)
         if error is not None:
             raise error
         if reload:
@@ -168,12 +186,15 @@ def _update(parts: EngineParts) -> None:
                 f"{parts.global_step} (their error says what) after this rank's update: the "
                 "ranks' shards are no longer one step's")
         parts.global_step += 1
-        stepped.append(1)  # from here on the masters are the new step's
-        zero_grad(parts)
+        progress.to("updated")  # from here on the masters are the new step's
+        _forget_grads(parts)
         refresh_compute_copies(parts)
+        progress.to("done")
     except BaseException as e:
         _report(parts, "the optimizer step", e)
-        if not (stepped or reload) and (parts.tier is None or parts.tier.failed is None):
+        updated = progress.phase in (StepPhase.UPDATING, StepPhase.UPDATED)
+        if not (updated or reload) and (parts.tier is None or parts.tier.failed is None):
+            progress.to("fail")
             raise  # nothing was updated
         error = _refuse_until_reload(parts, e)
         if error is e:
@@ -224,13 +245,12 @@ def _report(parts: EngineParts, phase: str, error: BaseException) -> None:
     timeout names this rank and its error (``Communicator.report_failure``)."""
     parts.comm.report_failure(
         f"{type(error).__name__} in {phase} at step {parts.global_step}: {error}")
-    parts._reported = True
 
 
 def _refuse_until_reload(parts: EngineParts, error: BaseException) -> BaseException:
     """Mark the engine as needing a reload; the error to raise, saying so."""
-    parts._needs_reload = (f"{type(error).__name__} during the optimizer step after global "
-                           f"step {parts.global_step} left it cut short")
+    parts.progress.cut_short(f"{type(error).__name__} during the optimizer step after global "
+                             f"step {parts.global_step} left it cut short")
     if parts.tier is not None:
         parts.tier.recover()
     hint = ("The optimizer step was cut short (some units updated, others not): the engine "
@@ -265,18 +285,24 @@ def refresh_compute_copies(parts: EngineParts) -> None:
 
 
 def zero_grad(parts: EngineParts) -> None:
-    if parts._reported:  # the failed pass is over here: its report goes
+    # Refused, before anything changes, from a hook inside a pass running now (its backward
+    # would go on over freed parameters) or inside the optimizer's update.
+    parts.runtime.expect("reset")
+    parts.progress.expect("forget")
+    if parts.progress.reported:  # the failed pass is over here: its report goes
         parts.comm.clear_failure()
-        parts._reported = False
     if parts.tier is not None and parts.tier.failed is not None:
         parts.tier.recover()  # a failed write-back's memory is kept and written again later
+    _forget_grads(parts)
+    parts.progress.to("forget")
+
+
+def _forget_grads(parts: EngineParts) -> None:
     parts.runtime.reset()
     for unit in parts.units:
         unit.zero_grad()
         for p in unit.params:
             p.grad = None
-    parts._unscaled = False
-    parts._norm = None
 
 
 def _refuse_stray_grads(parts: EngineParts) -> None:
@@ -304,24 +330,49 @@ def _follow_trainability(parts: EngineParts) -> None:
 
 
 def _adopt_new_parameters(parts: EngineParts) -> None:
-    managed, group_of = managed_parameters(parts.module, parts.user_optimizer, strict=False)
+    managed, group_of = managed_parameters(parts.module, parts.user_optimizer, strict=False,
+                                           frozen_too=parts.plan.shards_params)
     new = [(n, p) for n, p in managed if id(p) not in parts.param_names]
-    parts.optimizer.check_adoptable({n: group_of[id(p)] for n, p in new})
-    if not new:
+    moved = _moved_from_frozen(parts, group_of)
+    joining = new + [(n, p) for _, named in moved for n, p in named]
+    parts.optimizer.check_adoptable({n: group_of[id(p)] for n, p in joining})
+    if not joining:
         return
-    if parts.runtime.grads_pending_step or any(u.used.count(True) for u in parts.units):
+    if parts.progress.grads_pending or any(u.used.count(True) for u in parts.units):
         raise RuntimeError(
-            f"parameters {[n for n, _ in new][:5]} were added to the optimizer in the "
+            f"parameters {[n for n, _ in joining][:5]} were added to the optimizer in the "
             "middle of a step (gradients are pending): add param groups between "
             "engine.step() and the next forward")
-    stale = [n for n, p in new if p.grad is not None]
+    stale = [n for n, p in joining if p.grad is not None]
     if stale:
         raise RuntimeError(f"parameters {stale[:5]} added to the optimizer already hold a "
                            ".grad from before; set it to None first (optimizer.zero_grad())")
     parts.runtime.settle()
     parts.runtime.reshard_all()
+    for unit, named in moved:  # sharded already: they join the optimizer where they are
+        unit.relabel({n: group_of[id(p)] for n, p in named})
+        parts.optimizer.add_units([unit], only={n for n, _ in named})
+    if new:
+        _take_over(parts, new, group_of)
+
+
+def _moved_from_frozen(parts: EngineParts, group_of: dict[int, int]
+                       ) -> list[tuple[Unit, NamedParams]]:
+    """Frozen parameters the engine shards in no group (stage 3) that the user has since
+    added to a param group, by unit."""
+    out = []
+    for unit in parts.units:
+        named = [(slot.name, p) for slot, p in zip(unit.layout.slots, unit.params)
+                 if slot.group == FROZEN_GROUP and group_of.get(id(p), FROZEN_GROUP)
+                 != FROZEN_GROUP]
+        if named:
+            out.append((unit, named))
+    return out
+
+
+def _take_over(parts: EngineParts, new: NamedParams, group_of: dict[int, int]) -> None:
     units = build_units(parts.module, new, group_of, parts.plan, parts.unit_comms(),
-                        parts.placement, first_index=len(parts.units))
+                        parts.placement, first_index=len(parts.units), scaler=parts.scaler)
     parts.units.extend(units)
     for name, p in new:
         parts.param_names[id(p)] = name

@@ -22,12 +22,12 @@ import torch
 from torch.profiler import record_function
 
 from ..comm.collectives import Communicator
-from ..core.grads import powered_norm
+from ..core.grads import max_abs, powered_norm
 from ..core.units import Unit
-from ..offload.disk import keep_budget
 from .combined import parts as combined_parts
 from .inner import IMPLEMENTATION_KEYS, inner_groups, rebuild, state_record, sync_hyperparameters
 from .owner import OwnerPart
+from .residence import InMemory, Streamed
 
 if TYPE_CHECKING:
     from ..offload.disk import DiskTier
@@ -236,15 +236,11 @@ class ShardedOptimizer:
                  comm: Communicator, shards: int, declared_elementwise: bool = False,
                  exchange_numel: int = 5_000_000, tier: DiskTier | None = None) -> None:
         self.user = user_optimizer
-        self.tier = tier
-        """The disk tier holding masters, states and reduced gradients: the step and every
-        pass over the gradients then stream units through memory one after another."""
         self.units = units
         self.comm = comm
         self.shards = shards
         self.rank = comm.rank if shards > 1 else 0
         self.segments = _segments(units, self.rank)
-        self._keep_budget()
         self.parts: list[ShardPart | OwnerPart] = []
         first = 0
         for opt in combined_parts(user_optimizer):
@@ -253,6 +249,11 @@ class ShardedOptimizer:
             else:
                 self.parts.append(OwnerPart(opt, first, units, comm, exchange_numel))
             first += len(opt.param_groups)
+        self.where = InMemory(units, self.parts) if tier is None else Streamed(
+            units, [p for p in self.parts if isinstance(p, ShardPart)], tier)
+        """Where masters, states and reduced gradients rest (chosen once): the step, every
+        pass over the gradients and every factor on them go through it."""
+        assert len(self.where.parts) == len(self.parts), "the engine refuses owners with disk"
 
     def check_adoptable(self, new: dict[str, int]) -> None:
         """Parameters ``new`` (name: its group, numbered across the optimizers) may join the
@@ -287,146 +288,63 @@ class ShardedOptimizer:
                 "build it with every parameter it will train (frozen ones included; empty "
                 "param groups may be added)")
 
-    def add_units(self, units: list[Unit]) -> None:
+    def add_units(self, units: list[Unit], only: set[str] | None = None) -> None:
         """Parameters the engine took over after construction (unfrozen and added to the
-        last of the user's optimizers): their pieces join its inner groups."""
-        new = _segments(units, self.rank)  # self.units is the engine's list: already extended
+        last of the user's optimizers): their pieces join its inner groups. ``only``: just
+        these parameters of ``units`` (sharded frozen before, in no group)."""
+        new = [s for s in _segments(units, self.rank)  # self.units: the engine's, extended
+               if only is None or s.unit.layout.slots[s.index].name in only]
         self.segments += new
         last = self.parts[-1]
         assert isinstance(last, ShardPart), "check_adoptable() runs first"
         last.add_segments(new)
-        self._keep_budget()
-
-    def _keep_budget(self) -> None:
-        """The disk tier keeps a constant part of one phase for the next (``keep_budget``)."""
-        if self.tier is not None:
-            sizes = [u.layout.shard_numel for u in self.units]
-            itemsize = max((u.param_store.master.element_size() for u in self.units), default=4)
-            self.tier.keep_bytes = keep_budget(sizes, itemsize)
+        self.where.units_added()
 
     def step(self) -> None:
         for unit in self.units:  # the host is about to write masters copies may still read
             unit.param_store.wait_host_copies()
         with record_function("zero::optimizer_step"):
-            if self.tier is None:
-                for part in self.parts:
-                    part.step()
-            else:
-                self._step_streamed(self.tier)
-
-    def _step_tensors(self, unit: Unit) -> list[torch.Tensor]:
-        states = [t for part in self.parts if isinstance(part, ShardPart)
-                  for t in part.unit_states(unit)]
-        return unit.step_tensors() + states
-
-    def _step_streamed(self, tier: DiskTier) -> None:
-        """One unit at a time: the next unit's files are read ahead while this one steps,
-        and each unit's pages are written back and dropped once it has stepped. Units are
-        independent (the clipping coefficient is known), so the order is free: the units
-        whose gradient backward left in memory go first, before anything pushes them out
-        (the bits do not depend on it)."""
-        def read_ahead(unit: Unit) -> None:
-            grad = unit.master_grad
-            tier.prefetch([grad])
-            tier.prefetch([t for t in self._step_tensors(unit) if t is not grad], write=True)
-
-        kept = {u.index for u in self.units if tier.resident([u.master_grad])}
-        order = sorted(self.units, key=lambda u: u.index not in kept)
-        if order:
-            read_ahead(order[0])
-        for k, unit in enumerate(order):
-            if k + 1 < len(order):
-                read_ahead(order[k + 1])
-            tier.ready(self._step_tensors(unit))  # read ahead: written below
-            grad = unit.scaled_grad()
-            for part in self.parts:
-                assert isinstance(part, ShardPart), "the engine refuses owners with disk"
-                part.step(unit, grad)
-                part.adopt_states(unit, tier)
-            unit.drop_scaled(grad)
-            # Read, not written. A kept gradient was never written: it stays kept, unwritten,
-            # for zero_grad() to clear (or for the tier to write if pushed out).
-            tier.release([unit.master_grad], dirty=False, keep=unit.index in kept)
-            tier.release([t for t in self._step_tensors(unit) if t is not unit.master_grad],
-                         dirty=True)
+            self.where.step()
 
     def reserve_states(self) -> None:
-        """Disk tier: create every optimizer state's file now (a full disk is an error when
-        the engine is built, not in the middle of the first step)."""
-        assert self.tier is not None
-        for part in self.parts:
-            if isinstance(part, ShardPart):
-                part.reserve_states(self.tier)
+        """Create whatever the optimizer states need before the first step (the disk tier's
+        files: a full disk is an error when the engine is built)."""
+        self.where.reserve_states()
 
     def master_grads(self) -> Iterator[torch.Tensor]:
-        """Every unit's reduced gradient shard, in unit order. With the disk tier each is
-        read ahead before it is yielded and written back once the caller moves on, so a loop
-        over them holds about two in memory."""
-        if self.tier is None:
-            for unit in self.units:
-                yield unit.master_grad
-            return
-        tier = self.tier
-        for k, unit in enumerate(self.units):
-            if k == 0:
-                tier.prefetch([unit.master_grad])
-            if k + 1 < len(self.units):
-                tier.prefetch([self.units[k + 1].master_grad])
-            tier.ready([unit.master_grad])  # the caller may change it
-            grad = unit.settled_grad()
-            yield grad
-            tier.release([grad], dirty=True)
+        """The reduced gradient shard of every unit holding one, in unit order, with every
+        factor deferred to it applied; the caller may change it (``InMemory``,
+        ``Streamed``)."""
+        return self.where.master_grads()
+
+    def unscale_grads(self, inv: float) -> None:
+        """fp16: divide the reduced gradients by the loss scale (``inv`` is its inverse); the
+        disk tier defers it to the step's read."""
+        self.where.unscale(inv)
 
     def nonfinite_local(self, device: torch.device) -> torch.Tensor:
-        """1.0 where this rank holds an inf/NaN gradient, else 0.0 (fp32 on ``device``)."""
+        """1.0 where this rank holds an inf/NaN gradient, else 0.0 (fp32 on ``device``): a
+        max-abs is inf/NaN exactly when the shard holds one."""
         local = torch.zeros((), dtype=torch.float32, device=device)
-        summaries = self._summaries()
-        if summaries is not None:
-            peaks = [peak for _, peak in summaries]
-        elif self.tier is None:
-            grads = [g for g in self.master_grads() if g.numel()]
-            # One multi-tensor pass: a max-abs is inf/NaN exactly when the shard holds one.
-            peaks = torch._foreach_norm(grads, float("inf")) if grads else []
-        else:
-            peaks = [torch.linalg.vector_norm(g, float("inf")) for g in self.master_grads()
-                     if g.numel()]
+        peaks = self.where.peaks()
         if peaks:
             local += (~torch.isfinite(torch.stack(peaks))).any().to(device, torch.float32)
         return local
 
-    def _summaries(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Disk tier: every non-empty unit's gradient summary, when all are current."""
-        if self.tier is None:
-            return None
-        out = []
-        for unit in self.units:
-            if unit.pending_scales or (unit.grad_summary is None and unit.layout.shard_numel):
-                return None
-            if unit.grad_summary is not None:
-                out.append(unit.grad_summary)
-        return out
-
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """Norm of the whole (reduced) gradient, from the shards every rank holds; on the
         communication device (offloaded shards are summed on the host, then moved)."""
-        summaries = self._summaries()
+        summaries = self.where.summaries()
+        sharded = self.shards > 1
         if summaries is not None and float(norm_type) == 2.0:
-            return norm_of_parts((sq for sq, _ in summaries), 2.0, self.comm, self.shards > 1)
-        return global_norm(self.master_grads(), float(norm_type), self.comm, self.shards > 1)
+            return norm_of_parts((sq for sq, _ in summaries), 2.0, self.comm, sharded)
+        if summaries is not None and math.isinf(norm_type):
+            return peak_of_parts((peak for _, peak in summaries), self.comm, sharded)
+        return global_norm(self.master_grads(), float(norm_type), self.comm, sharded)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         total = self.grad_norm(norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if self.tier is not None:  # multiplied in when each gradient is next read
-            for unit in self.units:
-                unit.pending_scales.append(coef)
-                unit.grad_summary = None
-            return total
-        on: dict[torch.device, torch.Tensor] = {}  # one copy per device, not one per unit
-        for g in self.master_grads():
-            if g.device not in on:
-                on[g.device] = coef.to(g.device)
-            g.mul_(on[g.device].to(g.dtype))
+        self.where.scale(torch.clamp(max_norm / (total + 1e-6), max=1.0))
         return total
 
     def states_per_param(self) -> int:
@@ -461,14 +379,20 @@ def global_norm(grads: Iterable[torch.Tensor], norm_type: float, comm: Communica
     """The ``norm_type`` norm over every rank's ``grads`` (disjoint shards when ``sharded``),
     as an fp32 scalar on ``comm.device``; ``grads`` is read once, in order."""
     if math.isinf(norm_type):
-        peaks = [g.abs().max().float() for g in grads if g.numel()]
-        local = torch.stack(peaks).max() if peaks else torch.zeros((), device=comm.device)
-        local = local.to(comm.device)
-        if sharded:
-            comm.all_reduce_max(local)
-        return local
+        return peak_of_parts((peak for g in grads for peak in max_abs([g])), comm, sharded)
     parts = (powered_norm(g, norm_type) for g in grads if g.numel())
     return norm_of_parts(parts, norm_type, comm, sharded)
+
+
+def peak_of_parts(peaks: Iterable[torch.Tensor], comm: Communicator,
+                  sharded: bool) -> torch.Tensor:
+    """The inf-norm over every rank from each shard's max-abs (fp32, on ``comm.device``)."""
+    found = [peak.float() for peak in peaks]
+    local = torch.stack(found).max() if found else torch.zeros((), device=comm.device)
+    local = local.to(comm.device)
+    if sharded:
+        comm.all_reduce_max(local)
+    return local
 
 
 def norm_of_parts(parts: Iterable[torch.Tensor], norm_type: float, comm: Communicator,

@@ -28,6 +28,7 @@ from ...checkpoint.export import PlainLayout, parse_size
 from ...checkpoint.save_hub import save_hub
 from ...checkpoint.verify import member
 from ...comm import collectives
+from ...core.devices import canonical_device
 from ...core.precision import make_policy
 from ...engine import ZeroEngine
 from ..step_turns import StepTurns
@@ -248,7 +249,10 @@ class ZeroAccelerator(Accelerator):
             raise ValueError("ZeroAccelerator trains one model; it already prepared one")
         on_meta = any(p.is_meta for p in model.parameters())
         if (self.device_placement if placement is None else placement) and not on_meta:
-            model.to(self.device)  # keeps Parameter identities, so the optimizer stays valid
+            # Keeps Parameter identities, so the optimizer stays valid. Accelerate names the
+            # CPU "cpu:0", which CPU tensors never report: .to() would copy every weight
+            # (the whole model once more, for one loaded whole).
+            model.to(canonical_device(self.device))
         # A model on the meta device is materialised by the engine, one unit at a time.
         if self.state.dynamo_plugin.backend != DynamoBackend.NO:
             warnings.warn("ZeroAccelerator does not torch.compile the ZeRO model; the accelerate "

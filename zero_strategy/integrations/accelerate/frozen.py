@@ -22,6 +22,7 @@ from torch import nn
 
 from ...checkpoint import pretrained as checkpoint_pretrained
 from ...config import ZeroConfig
+from ...core.devices import canonical_device
 from ...engine import ZeroEngine
 from .models import ZeroFrozenModel
 
@@ -61,7 +62,7 @@ def build_frozen(model: nn.Module, config: ZeroConfig, index: int,
     model.eval()
     placeholder = torch.optim.SGD(model.parameters(), lr=0.0)
     if device is not None and not on_meta:
-        model.to(device)
+        model.to(canonical_device(device))  # "cpu:0" would copy every weight (accelerator.py)
     engine = ZeroEngine(model, placeholder, frozen_config(config, index))
     wrapper = ZeroFrozenModel(engine)
     wrapper._is_accelerate_prepared = True

@@ -1,6 +1,6 @@
-"""A transformers model config for ``zero-strategy estimate --model-config``: read from a
-``config.json`` (or the folder holding one), and the parameters of the model it builds,
-counted on the meta device so that nothing is allocated."""
+"""A transformers model config for ``zero-strategy estimate --model-config`` (and ``link``):
+read from a ``config.json`` (or the folder holding one), and the model it builds on the meta
+device, so that nothing is allocated."""
 
 from __future__ import annotations
 
@@ -17,8 +17,12 @@ def load_config(path: str) -> Any:
     return AutoConfig.from_pretrained(path)
 
 
+def build_meta_model(config: Any, model_class: str) -> torch.nn.Module:
+    """Transformers' ``model_class`` built from ``config`` on the meta device."""
+    with torch.device("meta"):
+        return getattr(transformers, model_class)(config)
+
+
 def count_parameters(config: Any, model_class: str) -> int:
     """The parameter count of transformers' ``model_class`` built from ``config``."""
-    with torch.device("meta"):
-        model = getattr(transformers, model_class)(config)
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in build_meta_model(config, model_class).parameters())
