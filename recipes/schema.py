@@ -60,6 +60,7 @@ class DataConf:
 
 ZERO_OPTIONS = (
     "reduce_dtype", "bucket_numel", "unit_numel", "param_persistence_threshold", "prefetch",
+    "prefetch_units",
     "unit_leaf_classes", "check_gather_order", "overlap_param_gather", "offload_optimizer",
     "offload_params", "offload_dir", "disk_staging_bytes", "broadcast_buffers", "nonfinite_grads",
     "elementwise_optimizer", "shard_group_size", "quantize_weights", "quantize_gradients",

@@ -75,6 +75,7 @@ STAGE3_DEFAULTS: dict[str, Any] = {
     "unit_numel": 1_000_000,
     "param_persistence_threshold": 10_000,
     "prefetch": True,
+    "prefetch_units": 2,
     "unit_leaf_classes": (),
     "check_gather_order": True,
     "generation_gather_budget": None,  # None at stage 3 too: what memory has free
@@ -153,16 +154,24 @@ class ZeroConfig:
     """Stage 3: parameters with fewer elements stay whole on every rank (default 10,000;
     units gather all their parameters in one collective, so persistence saves no latency here)."""
     prefetch: bool | None = None
-    """Stage 3: gather the next unit while the current one computes (default True)."""
+    """Stage 3: gather the next units while the current one computes (default True)."""
+    prefetch_units: PositiveInt | None = None
+    """Stage 3, with ``prefetch``: how many units ahead are gathered while one computes
+    (default 2). Across a link slower than the compute, one gather at a time leaves the link
+    idle between them (each transfer starts on an empty pipe: on a 1 Gbit/s link, 2 MiB
+    gathers one after the other took 1.5x the time of the same gathers queued); two keep
+    it busy. Each unit ahead holds its gathered buffer: 1 gives the least memory."""
     unit_leaf_classes: ClassNames | None = None
     """Stage 3: class names of modules gathered as one unit with everything below them, e.g.
     a mixture-of-experts layer whose experts do not all run on every rank (default none)."""
     check_gather_order: bool | Literal["blocking"] | None = None
     """Stage 3: with each gather, check with a 16-byte all-gather that every rank gathers
     the same unit, and raise ``GatherOrderError`` naming both when ranks run different
-    modules (default True). True: on the host (gloo) the check blocks before the gather, so
-    the wrong shards are never exchanged, and it keeps gradient reductions in step across
-    ranks whose backward differs (experts under ``unit_leaf_classes``); on a GPU it is read
+    modules (default True). True: on the host (gloo) each gather sends a header without
+    waiting, on connections of its own, read before the unit's rows are waited for (each
+    unit's rows on a channel of their own, so mismatched gathers never exchange rows), and
+    the headers keep gradient reductions in step across ranks whose backward differs
+    (experts under ``unit_leaf_classes``); on a GPU it is read
     once at the end of backward (no host sync per unit), so mismatched gathers run first
     and nccl may end the job (its watchdog, or ``timeout``) before the error is raised.
     "blocking": the host check on every device, for debugging such a job on a GPU (one host

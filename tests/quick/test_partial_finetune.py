@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.harness import check, run_world
-from tests.worlds.scenarios_partial import PATTERNS
+from tests.worlds.scenarios_partial import LAYERS, PATTERNS
 
 # fp32, SGD with momentum: the engine reduce-scatters the ranks' mean gradients where the
 # reference backpropagates the global batch's mean loss, so gradients differ in summation
@@ -94,3 +94,14 @@ def test_ranks_that_freeze_differently_are_refused_by_name(world2: dict) -> None
         blocks = sum(ring[f"transformer.h.{i}"] + header for i in range(3))
         assert grown["all_gather"] == blocks, grown
         assert grown["all_reduce"] == grown["broadcast"] == 0, grown
+
+
+def test_prefetch_units_gathers_that_many_ahead(world2: dict) -> None:
+    """``prefetch_units=k``: as each of the 4 blocks starts its forward, the next k blocks
+    (as many as are left) are gathered or gathering; the results are the same bit for bit
+    (only when gathers are issued changes)."""
+    for r in check(world2["prefetch_depths"]):
+        for depth in (1, 2, 3):
+            assert r[str(depth)]["ahead"] == [min(depth, LAYERS - 1 - i) for i in range(LAYERS)], \
+                (depth, r[str(depth)]["ahead"])
+            assert r[str(depth)]["losses"] == r["1"]["losses"]

@@ -35,12 +35,13 @@ def test_at_rest_the_rank_holds_its_shards(runs: list[dict]) -> None:
 
 def test_gathered_term_covers_every_moment_of_the_step(runs: list[dict]) -> None:
     """The most gathered at once: a block's unit inside the body's inside the root's, and the
-    next block's prefetched. The term counts exactly that (not the root and the two largest
-    other units, which leaves out the body), and the step reaches the three nested ones."""
+    next two blocks' prefetched (``prefetch_units`` 2). The term counts exactly that (not the
+    root and the largest other units, which leaves out the body), and the step reaches the
+    three nested ones."""
     for r in runs:
         u = r["units"]
         nested = (u[""][0] + u["body"][0] + u["body.blocks.0.big"][0]) * 4
-        assert r["terms"]["gathered"] == nested + u["body.blocks.0.big"][0] * 4, r
+        assert r["terms"]["gathered"] == nested + 2 * u["body.blocks.0.big"][0] * 4, r
         assert nested <= r["most_gathered"] <= r["terms"]["gathered"], r
 
 

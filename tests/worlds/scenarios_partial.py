@@ -89,8 +89,9 @@ def _train_reference(pattern: str, world: int) -> tuple[list[float], dict[str, t
 
 def _config(stage: int) -> ZeroConfig:
     """At stage 3 every parameter sharded (none kept whole for being small) and one unit per
-    block, as a model of real size gets them (a tiny one would be a single unit)."""
-    three = {"param_persistence_threshold": 0, "unit_numel": 1,
+    block, as a model of real size gets them (a tiny one would be a single unit); one unit
+    prefetched, so that of 4 blocks a unit kept too long shows in what backward holds."""
+    three = {"param_persistence_threshold": 0, "unit_numel": 1, "prefetch_units": 1,
              "unit_leaf_classes": ["GPT2Block"]}
     return ZeroConfig(stage=stage, **(three if stage == 3 else {}))
 
@@ -228,3 +229,41 @@ def trainability_disagreement() -> dict[str, Any]:
 
 
 register("trainability_disagreement", trainability_disagreement)
+
+
+def prefetch_depths() -> dict[str, Any]:
+    """Full fine-tune at stage 3 with ``prefetch_units`` 1, 2 and 3: as a block starts its
+    forward, the other blocks gathered or gathering (the ones ahead: those behind are freed);
+    and the losses, which the depth must not change."""
+    return {str(depth): _with_depth(depth) for depth in (1, 2, 3)}
+
+
+def _with_depth(depth: int) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model("full")
+    config = ZeroConfig(stage=3, param_persistence_threshold=0, unit_numel=1,
+                        unit_leaf_classes=["GPT2Block"], prefetch_units=depth)
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=LR), config)
+    blocks = list(model.transformer.h)
+    ahead: list[int] = []
+
+    def count(module: Any, args: Any) -> None:
+        ahead.append(sum(1 for u in engine.units if u.module in blocks
+                         and u.module is not module
+                         and u.param_store.state is not ParamState.SHARDED))
+
+    for block in blocks:
+        block.register_forward_pre_hook(count)
+    losses = []
+    for x in _batches(rank, world):
+        ahead.clear()  # the last step's: the first has no order to prefetch along
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    engine.close()
+    return {"ahead": ahead, "losses": losses}
+
+
+register("prefetch_depths", prefetch_depths)

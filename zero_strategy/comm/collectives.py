@@ -57,6 +57,9 @@ class CollectiveTimeout(CollectiveError):
 
 
 _INSTANCES: Counter[tuple[int, ...]] = Counter()
+_SIDE_GROUPS: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
+"""Side channels (``Communicator.side_channel``) by (the default group, ranks): made once per
+process group, however many engines are built on it."""
 """Communicators built so far in this process, by their ranks."""
 
 _KEPT_WORKS: deque[Any] = deque(maxlen=8)
@@ -450,6 +453,35 @@ class Communicator:
                 mine = group
         assert mine is not None, (self.rank, parts)  # a partition covers every rank
         return mine
+
+    def side_channel(self) -> Communicator:
+        """A communicator over the same ranks on connections of their own (a second gloo
+        group, made once per group and reused), for small messages that must not queue
+        behind this group's bulk transfers: a few bytes sent on a connection that carries
+        megabytes of gathered rows arrive only after them. Every rank calls it, in one
+        order (engines are built on every rank alike)."""
+        key = (id(dist.distributed_c10d._get_default_group()), tuple(self._peers))
+        group = _SIDE_GROUPS.get(key)
+        if group is None:
+            group = self._subgroup([list(range(self.world_size))])
+            _SIDE_GROUPS[key] = group
+        side = Communicator(group, timeout=self.timeout_s, step=self._step)
+        side.use_device(self.device)
+        side.bytes_sent = self.bytes_sent  # the same ranks' traffic: counted as theirs
+        return side
+
+    def all_gather_polled(self, flat_output: torch.Tensor, shard: torch.Tensor) -> Handle:
+        """``all_gather`` as one collective of the backend, never as direct exchanges: its
+        handle's ``ready()`` reports completion as soon as it happens (gloo's point-to-point
+        work reports it only once waited for), so a caller can read it without blocking."""
+        self._check("all_gather", flat_output, shard)
+        self._count("all_gather", flat_output.nbytes * self._fraction())
+        # Not kept past its use (``_queued``): its caller waits for it long before a script
+        # ends, and a kept one was seen to keep a step's saved activation (an offloaded
+        # input's open file) alive after the step (tests/quick/test_step_faults.py).
+        with self._starting("all_gather"):
+            work = _all_gather(flat_output, shard, group=self.group, async_op=True)
+        return _Pending(self, work, "all_gather")
 
     def global_ranks(self) -> list[int]:
         """This group's members, as ranks of the default group (the store's agreements)."""

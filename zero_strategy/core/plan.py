@@ -54,6 +54,8 @@ class ZeroPlan:
     unit_numel: int | None
     persistence_threshold: int | None
     prefetch: bool
+    prefetch_units: int
+    """Units gathered ahead of the one computing (``ZeroConfig.prefetch_units``)."""
     unit_leaf_classes: tuple[str, ...]
     check_gather_order: bool
     blocking_order_check: bool
@@ -98,6 +100,7 @@ def make_plan(config: ZeroConfig, world_size: int) -> ZeroPlan:
         unit_numel=config.resolved("unit_numel"),
         persistence_threshold=config.resolved("param_persistence_threshold"),
         prefetch=bool(config.resolved("prefetch")),
+        prefetch_units=int(config.resolved("prefetch_units") or 0),
         unit_leaf_classes=tuple(config.resolved("unit_leaf_classes") or ()),
         check_gather_order=bool(config.resolved("check_gather_order")),
         blocking_order_check=config.resolved("check_gather_order") == "blocking",

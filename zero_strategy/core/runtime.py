@@ -145,7 +145,7 @@ class Runtime(StateMachine):
     MOVES = _MOVES
 
     def __init__(self, units: list[Unit], comm: Communicator, root: torch.nn.Module,
-                 prefetch: bool, check_gather_order: bool,
+                 prefetch: int, check_gather_order: bool,
                  world: Communicator | None = None, blocking_order_check: bool = False,
                  progress: StepProgress | None = None) -> None:
         self.units = units
@@ -157,7 +157,8 @@ class Runtime(StateMachine):
         """Every rank (``comm`` is the shard group under hybrid sharding): they all check the
         gather order (replicas reduce in the order their groups gathered) and agree on which
         parameters were used anywhere."""
-        self.prefetch = prefetch
+        self.prefetch = int(prefetch)
+        """Units gathered ahead of the one computing (0: none)."""
         self.check_gather_order = check_gather_order and comm.world_size > 1
         self.defer_order_check = comm.device.type != "cpu" and not blocking_order_check
         self.header_order_check = comm.device.type == "cpu" and not blocking_order_check
@@ -165,6 +166,9 @@ class Runtime(StateMachine):
         units this rank has complete) to every rank beside its rows, without waiting; the
         headers are read, in gather order, before a unit's rows are waited for."""
         self._headers: deque[tuple[Unit, torch.Tensor, Handle]] = deque()
+        self._side = (world or comm).side_channel() if (
+            self.header_order_check and self.check_gather_order) else self.world
+        """Where headers travel: connections of their own (``Communicator.side_channel``)."""
         self._headers_sent = 0
         self._indices: torch.Tensor | None = None
         """Every unit's index on the device, made once: the gather-order tag of a unit is a
@@ -274,7 +278,7 @@ class Runtime(StateMachine):
         self._headers_sent += 1
         mine = torch.tensor([index, self._ready], dtype=torch.int64)
         out = torch.empty(2 * self.world.world_size, dtype=torch.int64)
-        return out, self.world.all_gather(out, mine, async_op=True)
+        return out, self._side.all_gather_polled(out, mine)
 
     def _read_headers(self, upto: Unit | None = None) -> None:
         """Check the headers of the gathers issued so far, in order, up to ``upto``'s (all
@@ -284,15 +288,26 @@ class Runtime(StateMachine):
         if upto is not None and all(u is not upto for u, _, _ in self._headers):
             return
         while self._headers:
-            unit, out, handle = self._headers.popleft()
-            handle.wait(host=True)  # read next
-            rows = out.view(self.world.world_size, 2).tolist()
-            self._check_tags(unit, [r[0] for r in rows])
-            if self._agreed is not None:
-                self._agreed = min(r[1] for r in rows)
-                self._launch_ready()
-            if unit is upto:
+            if self._take_header() is upto:
                 return
+
+    def _poll_headers(self) -> None:
+        """Read the headers that have arrived, without waiting for any: the agreement on
+        how far reductions may be launched then takes effect as soon as every rank's header
+        is in, not when this rank next waits for a gather (its own connections, the side
+        channel, keep them from queueing behind gathered rows)."""
+        while self._headers and self._headers[0][2].ready():
+            self._take_header()
+
+    def _take_header(self) -> Unit:
+        unit, out, handle = self._headers.popleft()
+        handle.wait(host=True)  # read next
+        rows = out.view(self.world.world_size, 2).tolist()
+        self._check_tags(unit, [r[0] for r in rows])
+        if self._agreed is not None:
+            self._agreed = min(r[1] for r in rows)
+            self._launch_ready()
+        return unit
 
     def _check_and_agree(self, unit: Unit) -> None:
         """The host-side gather-order check; in backward it also agrees how far reductions
@@ -510,10 +525,12 @@ class Runtime(StateMachine):
     def _prefetch_after(self, unit: Unit, order: list[Unit]) -> None:
         for i, u in enumerate(order[:-1]):
             if u is unit:
-                self.unshard(order[i + 1])
+                ahead = i + 1 + self.prefetch
+                for later in order[i + 1 : ahead]:
+                    self.unshard(later)  # those gathering already are left as they are
                 # Shards at rest on disk are read further ahead than the gather: the gather
                 # of the next unit then finds its bytes in memory.
-                for later in order[i + 2 : i + 2 + READ_AHEAD_UNITS]:
+                for later in order[ahead : ahead + READ_AHEAD_UNITS]:
                     later.param_store.read_ahead()
                 return
 
@@ -557,6 +574,7 @@ class Runtime(StateMachine):
 
     def pre_backward(self, unit: Unit) -> None:
         self._ensure_callback()
+        self._poll_headers()
         self._advance_crossings()
         if unit.index not in self._traced:
             self._traced.add(unit.index)
@@ -589,12 +607,12 @@ class Runtime(StateMachine):
             later = plan[i]
             if later.index not in self._traced:
                 ahead.append(later)
-                if len(ahead) > READ_AHEAD_UNITS:
+                if len(ahead) >= self.prefetch + READ_AHEAD_UNITS:
                     break
-        if ahead:
-            self.unshard(ahead[0])
-            for later in ahead[1:]:
-                later.param_store.read_ahead()
+        for later in ahead[: self.prefetch]:
+            self.unshard(later)
+        for later in ahead[self.prefetch :]:
+            later.param_store.read_ahead()
 
     def on_grad(self, unit: Unit, index: int, param: torch.Tensor) -> None:
         self._ensure_callback()
@@ -620,6 +638,7 @@ class Runtime(StateMachine):
         unit.reduced_this_pass = True
         if self.sync:
             self._complete.add(unit.index)
+            self._poll_headers()
             self._launch_ready()
         # Every use of the unit's parameters is behind us once all their gradients arrived
         # and every call's backward ended (a unit with frozen parameters whose end cannot be

@@ -146,7 +146,8 @@ def _install(parts: EngineParts, model: nn.Module) -> None:
     class swaps for reads outside forward, the optimizer's ``state_dict`` through the engine."""
     plan = parts.plan
     parts.progress = StepProgress()
-    parts.runtime = Runtime(parts.units, parts.shards, model, plan.prefetch,
+    parts.runtime = Runtime(parts.units, parts.shards, model,
+                            plan.prefetch_units if plan.prefetch else 0,
                             plan.check_gather_order, world=parts.comm,
                             blocking_order_check=plan.blocking_order_check,
                             progress=parts.progress)

@@ -17,7 +17,7 @@ the precision's dtypes, the optimizer's states per parameter), not fitted to a m
   window, beside the flat copy and pool block of the unit being built.
 - **forward**: the gathered units in flight (the unit running, every unit of a module
   around it: the root unit, held from its forward to the end of backward, among them; and
-  the one prefetched), plus the activations.
+  the ``prefetch_units`` prefetched), plus the activations.
 - **backward**: the same, plus the gradient buffers: a unit's full-size local gradient for
   each reduction in flight (``MAX_INFLIGHT_REDUCTIONS``) and the one accumulating, a reduced
   slice of a second pass, and the reduced shards, born here: those of every unit holding a
@@ -194,7 +194,7 @@ def _gathered(engine: EngineView, p: int) -> int:
     while any unit runs, every unit of a module around it is whole too (the root unit, held
     from its forward to the end of backward, and any unit of an enclosing module: GPT-2's
     ``transformer`` unit, made of what its blocks leave below ``unit_numel``); plus, with
-    prefetch, the next unit."""
+    prefetch, the ``prefetch_units`` units ahead (bounded by the largest as many)."""
     gathering = [u for u in engine.units if u.param_store.gathers]
     if not gathering:
         return 0
@@ -204,6 +204,9 @@ def _gathered(engine: EngineView, p: int) -> int:
 
     chains = [sum(v.layout.padded_numel for v in gathering if v is u or encloses(v, u))
               for u in gathering]
-    prefetched = max(u.layout.padded_numel for u in gathering) if engine.config.resolved(
+    ahead = (engine.config.resolved("prefetch_units") or 0) if engine.config.resolved(
         "prefetch") else 0
+    # The root unit is whole from its forward to the end of backward: never one ahead.
+    prefetched = sum(sorted((u.layout.padded_numel for u in gathering if u.name),
+                            reverse=True)[:ahead])
     return (max(chains) + prefetched) * p
