@@ -8,7 +8,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .integrations.ray import Reported, owned_files, report, restore, save_and_report
+from .integrations import require
+
+require("ray", "zero_strategy.ray")
+
+from .integrations.ray import (  # noqa: E402
+    Reported,
+    owned_files,
+    report,
+    restore,
+    save_and_report,
+)
 
 if TYPE_CHECKING:
     from .integrations.ray.hf import RayCheckpointCallback
@@ -24,8 +34,6 @@ def __getattr__(name: str) -> Any:
     if name not in _FRAMEWORK_PARTS:
         raise AttributeError(f"module 'zero_strategy.ray' has no attribute {name!r}")
     import importlib
-
-    from .integrations import require
 
     module, framework = _FRAMEWORK_PARTS[name]
     require(framework, f"zero_strategy.ray.{name}")

@@ -6,6 +6,8 @@ worker one device and numbers local ranks across a node's workers (Ray's)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,37 @@ import torch
 
 from zero_strategy.checkpoint.write import MANIFEST, shard_file, shard_of
 from zero_strategy.integrations.shared import process_device, sampler_kwargs
+
+# ------------------------------------------------------------------------------ install
+WITHOUT_RAY = """
+import importlib.abc, importlib.util, sys
+_find = importlib.util.find_spec
+class Absent(importlib.abc.MetaPathFinder):  # as after `pip install zero-strategy[...]`
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "ray":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, Absent())
+importlib.util.find_spec = lambda name, package=None: (
+    None if name.split(".")[0] == "ray" else _find(name, package))
+import zero_strategy, zero_strategy.lightning, zero_strategy.fabric, zero_strategy.accelerate
+import zero_strategy.transformers, recipes.launch
+try:
+    import zero_strategy.ray
+except ImportError as e:
+    print(e)
+"""
+
+
+def test_every_other_entry_point_imports_without_ray() -> None:
+    """Ray hidden (as if not installed): the engine, the Lightning, Fabric, Accelerate and
+    transformers entry points and the recipes' launcher import, and ``zero_strategy.ray``
+    raises ImportError naming the extra. (That no other module imports Ray at all is
+    test_import_graph's static check.)"""
+    result = subprocess.run([sys.executable, "-c", WITHOUT_RAY], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert 'pip install "zero-strategy[ray]"' in result.stdout, result.stdout
 
 
 # ------------------------------------------------------------------------------ ownership
