@@ -20,6 +20,10 @@ OBJECT_STORE_BYTES = 150 * 2**20
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
               "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore",
               "RAY_DEDUP_LOGS": "0"}
+RAY_ENV = {"RAY_memory_monitor_refresh_ms": "0"}
+"""Read by the raylet at start. Ray's memory monitor kills workers when the node's memory as a
+whole passes 95 %, whoever uses it: on a machine shared with other jobs it killed this
+module's workers (their own use was 0.1-0.4 GB each). Off, a real shortage is the kernel's."""
 
 
 @dataclass
@@ -38,7 +42,7 @@ def start(storage: Path) -> Cluster:
 
     temp_dir = Path(tempfile.mkdtemp(prefix="zsray", dir="/tmp"))
     # Workers are processes of the raylet, which takes the driver's environment at start.
-    env = {**WORKER_ENV,
+    env = {**WORKER_ENV, **RAY_ENV,
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     before = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
