@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -101,6 +102,7 @@ def under_ray(workers: int, steps: int, folder: Path) -> dict[str, float]:
                      run_config=RunConfig(name="ray_launch", storage_path=str(folder))).fit()
     finally:
         ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
     return {"ray_init_s": round(init_s, 2), **summary(json.loads(record.read_text()))}
 
 
