@@ -28,8 +28,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,13 +76,15 @@ def peak_growth() -> Callable[[], int]:
     return lambda: status("VmHWM:") - start
 
 
-@contextmanager
-def measured(reports: list[dict[str, Any]]) -> Iterator[None]:
-    """Appends the peak RSS growth of the block to the last entry of ``reports`` (the block
-    appends that entry: what it uploaded)."""
+def report_measured(folder: Path, loss: float, step: int) -> dict[str, Any]:
+    """``zero_strategy.ray.report`` of a saved folder: what this rank uploaded and the peak
+    RSS growth while reporting."""
+    from zero_strategy.ray import report
+
     done = peak_growth()
-    yield
-    reports[-1]["peak_rss_growth"] = done()
+    reported = report({"loss": loss, "step": step}, folder)
+    return {"bytes": reported.bytes, "files": list(reported.files),
+            "peak_rss_growth": done()}
 
 
 # ---------------------------------------------------------------------------------- Lightning
@@ -180,12 +181,7 @@ def fabric_z3(out: Path, under_ray: bool) -> dict[str, Any]:
             folder = out / f"step-{step}"
             fabric.save(folder, {"model": model, "optimizer": optimizer, "step": step})
             if under_ray:
-                from zero_strategy.ray import report
-
-                reports.append({})
-                with measured(reports):
-                    reported = report({"loss": loss.item(), "step": step}, folder)
-                reports[-1].update(bytes=reported.bytes, files=list(reported.files))
+                reports.append(report_measured(folder, loss.item(), step))
     last = out / f"step-{STEPS}"
     return {"losses": losses, "reports": reports, "final_checkpoint": str(last),
             "weights": lambda: zs.consolidate(last)}
@@ -223,12 +219,7 @@ def accelerate_z2(out: Path, under_ray: bool) -> dict[str, Any]:
             folder = out / f"step-{step}"
             accelerator.save_state(str(folder))
             if under_ray:
-                from zero_strategy.ray import report
-
-                reports.append({})
-                with measured(reports):
-                    reported = report({"loss": loss.item(), "step": step}, folder)
-                reports[-1].update(bytes=reported.bytes, files=list(reported.files))
+                reports.append(report_measured(folder, loss.item(), step))
     last = out / f"step-{STEPS}"
     return {"losses": losses, "reports": reports, "final_checkpoint": str(last),
             "weights": lambda: zs.consolidate(last / "zero_checkpoint")}

@@ -34,6 +34,7 @@ from .shared import (
     PRESET_DESCRIPTIONS,
     PRESETS,
     EngineModule,
+    WorldDevice,
     backward_kwargs,
     build_config,
     framework_precision_name,
@@ -44,10 +45,8 @@ from .shared import (
     merge_precision,
     placeholder_optimizer,
     precision_explicit,
-    process_device,
     read_client_state,
     restore_hyperparameters,
-    sampler_kwargs,
     save_engine_checkpoint,
 )
 from .step_turns import StepTurns
@@ -85,7 +84,7 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
         return module.engine.no_sync()
 
 
-class ZeroFabricStrategy(DDPStrategy):
+class ZeroFabricStrategy(WorldDevice, DDPStrategy):
     """``Fabric(strategy="zero3")``: one ``ZeroEngine`` per ``fabric.setup(model, optimizer)``
     (or ``fabric.setup(model, opt1, opt2, ...)``: one engine over all of them).
 
@@ -147,15 +146,6 @@ class ZeroFabricStrategy(DDPStrategy):
         assert self.cluster_environment is not None
         self._launcher = _FabricLauncher(self.cluster_environment, self.num_processes,
                                          self.num_nodes)
-
-    # ------------------------------------------------------------------ devices and data
-    @property
-    def root_device(self) -> torch.device:
-        return process_device(self.parallel_devices, self.local_rank)
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return sampler_kwargs(self.world_size, self.global_rank)
 
     # ------------------------------------------------------------------ model setup
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:

@@ -59,6 +59,7 @@ from .shared import (
     PRESET_DESCRIPTIONS,
     PRESETS,
     EngineModule,
+    WorldDevice,
     backward_kwargs,
     build_config,
     decode_state,
@@ -70,9 +71,7 @@ from .shared import (
     merge_precision,
     placeholder_optimizer,
     precision_explicit,
-    process_device,
     restore_hyperparameters,
-    sampler_kwargs,
     save_engine_checkpoint,
 )
 
@@ -223,7 +222,7 @@ class _ZeroLauncher(HydraJobLauncherMixin, _SubprocessScriptLauncher):
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
-class ZeroStrategy(DDPStrategy):
+class ZeroStrategy(WorldDevice, DDPStrategy):
     """ZeRO stages 0-3 with optional CPU offload and mixed precision, through ``ZeroEngine``.
 
     Args:
@@ -304,15 +303,6 @@ class ZeroStrategy(DDPStrategy):
             count = _count_optimizers(model)
             if count is not None and count != 1:
                 raise ValueError(_one_optimizer_message(count))
-
-    # ------------------------------------------------------------------ devices and data
-    @property
-    def root_device(self) -> torch.device:
-        return process_device(self.parallel_devices, self.local_rank)
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return sampler_kwargs(self.world_size, self.global_rank)
 
     # ------------------------------------------------------------------ model setup
     @contextmanager

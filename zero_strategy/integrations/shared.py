@@ -158,6 +158,24 @@ def sampler_kwargs(world_size: int, global_rank: int) -> dict[str, Any]:
     return {"num_replicas": world_size, "rank": global_rank}
 
 
+class WorldDevice:
+    """Mixed into the Lightning and the Fabric strategy ahead of DDP's: the device and the
+    sampler's replicas taken from the world (``process_device``, ``sampler_kwargs``)."""
+
+    parallel_devices: list[torch.device] | None
+    local_rank: int
+    world_size: int
+    global_rank: int
+
+    @property
+    def root_device(self) -> torch.device:
+        return process_device(self.parallel_devices, self.local_rank)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return sampler_kwargs(self.world_size, self.global_rank)
+
+
 # ---------------------------------------------------------------------- engine helpers
 _FORWARD_COUNTER = itertools.count(1)
 
