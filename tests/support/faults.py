@@ -4,7 +4,7 @@
 as a filesystem that fills up does (it stays full until the block ends): ``pwrite`` is the
 activation writer's (``core/activations.py``), ``pwritev`` the disk tier's write-back
 (``offload/disk.py``). Deterministic, unlike a real small tmpfs, whose first failing write
-depends on sizes and timing (tests/integration/test_disk_faults.py uses one too).
+depends on sizes and timing (tests/integration/test_step_faults.py uses one too).
 
 ``inject`` raises ``InjectedFault`` at a named point of an engine's step (``POINTS``): the
 forward of a unit, its recomputation, its backward, its reduction, the clip, the optimizer
