@@ -225,6 +225,10 @@ LIGHTNING = (
                  "CombinedOptimizer is accepted"),
     Attribute(owner="lightning.pytorch.core.saving", name="_default_map_location",
               why="load_from_checkpoint's default map_location: the weights stay on the CPU"),
+    Function(owner="lightning.pytorch.callbacks:ModelCheckpoint", name="_save_checkpoint",
+             params=("trainer", "filepath"),
+             why="overridden by integrations/ray/lightning.py's RayModelCheckpoint: every file "
+                 "ModelCheckpoint saves, whatever its options, reported to Ray once written"),
 )
 
 # ---------------------------------------------------------------- PEFT

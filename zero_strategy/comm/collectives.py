@@ -182,6 +182,13 @@ def init_restartable_group(backend: str, timeout: float) -> bool:
     return True
 
 
+def world_barrier() -> None:
+    """Every process of the default group reaches this point before any goes on (nothing
+    without a group)."""
+    if group_is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def destroy_default_group() -> None:
     if group_is_initialized():
         dist.destroy_process_group()
