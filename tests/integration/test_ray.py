@@ -210,7 +210,10 @@ def test_each_upload_is_one_nth_of_the_model_states(entry: Path) -> None:
 
 def test_a_report_holds_no_more_than_the_ranks_share_in_memory(entry: Path) -> None:
     """Peak RSS growth per rank while reporting. The upload alone (Fabric's and Accelerate's
-    ``report`` of a folder already written) links files and lets Ray copy them: a few pages.
+    ``report`` of a folder already written) links files and lets Ray copy them: a few pages,
+    plus what Ray allocates on its first report (2.1 MB seen once, 28 KB usually); reading
+    the rank's shard file into memory would cost its size, about the rank's share, so half
+    the share is the bound that tells the two apart.
     ``save_and_report`` also writes the shard, through one CPU tensor per unit and optimizer
     state (the writer's flat copies of the AdamW states, 8/12 of the rank's share) and
     safetensors' serialisation of the file: bounded by the rank's share of the model states;
@@ -222,7 +225,7 @@ def test_a_report_holds_no_more_than_the_ranks_share_in_memory(entry: Path) -> N
     for name in ("fabric_z3", "accelerate_z2"):
         for rank in _uploads(name, entry):
             for report in rank:
-                assert report["peak_rss_growth"] <= 1 << 20, (name, report)
+                assert report["peak_rss_growth"] <= share / 2, (name, report, share)
 
 
 # ------------------------------------------------------------------------------ restarts
