@@ -37,6 +37,8 @@ def test_reduce_scatter_is_the_sum_within_its_rounding(world: tuple[int, dict]) 
         else:
             assert r["scratch"] == [(n - 2) * k for k in (1, 4096, 100_003)]
             assert r["pool_blocks"] >= 1, "scratch goes back to the pool"
+        # What the memory bound counts per reduction in flight (memory/phases.py).
+        assert r["scratch_slices"] == n - 2
         assert "must not alias" in r["aliased"]
 
 

@@ -514,6 +514,14 @@ class Communicator:
         self._scratch = (take, give)
 
     @property
+    def reduce_scatter_scratch_slices(self) -> int:
+        """Output-sized receive buffers one ``reduce_scatter`` holds while in flight: the
+        direct exchange receives every peer's slice at once, the first into the output and
+        the other N - 2 into scratch (the memory bound counts them); a backend's own
+        collective keeps its buffers outside the process's tensors."""
+        return max(self.world_size - 2, 0) if self._direct else 0
+
+    @property
     def _direct(self) -> bool:
         """Host tensors under gloo: gather and reduce-scatter as direct exchanges."""
         return (self.world_size > 1 and self.device.type == "cpu"
