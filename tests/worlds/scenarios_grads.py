@@ -1,0 +1,130 @@
+"""The gradient stores (``core/grads.py``) driven directly on 2 gloo ranks, against the mean
+of every rank's gradient computed apart: each stage's store, several synchronised passes per
+step, ``zero`` between steps, hybrid sharding (the sum across replicas), and which gradients
+a stage 2-3 store may reduce in place.
+
+The gradients are k/16 with |k| < 16000 (under 2^10): a k/32 has 19 significant bits at
+most, so every division by 2, every sum of two and every product by the world size here is
+exact in fp32, and each result must equal its float64 reference bit for bit.
+
+Run by tests/quick/test_grad_stores.py; added for the mutants of the mutation run that no
+quick test killed (docs/testing.md "Mutation testing").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests.support.harness import scenario
+from zero_strategy.comm.collectives import Communicator
+from zero_strategy.core.buffers import BufferPool
+from zero_strategy.core.flat import FlatLayout, make_layout
+from zero_strategy.core.grads import GRAD_STORES, GradStore
+
+SHAPES = {"w": (5, 3), "b": (7,)}
+
+
+def _grads(rank: int, salt: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * salt + rank)
+    return {name: torch.randint(-16_000, 16_000, shape, generator=gen).float() / 16
+            for name, shape in SHAPES.items()}
+
+
+def _mean_flat(layout: FlatLayout, salts: list[int], world: int) -> torch.Tensor:
+    """Sum over passes of the mean over ranks, in float64, laid out like the flat buffer."""
+    flat = torch.zeros(layout.padded_numel, dtype=torch.float64)
+    for salt in salts:
+        for rank in range(world):
+            for slot, grad in zip(layout.slots, _grads(rank, salt).values(), strict=True):
+                flat[slot.offset : slot.end] += grad.double().reshape(-1) / world
+    return flat
+
+
+def _pass(store: GradStore, comm: Communicator, salt: int) -> None:
+    for index, grad in enumerate(_grads(dist.get_rank(), salt).values()):
+        store.accumulate(index, grad)
+    store.launch_reduce(comm)
+    store.advance()  # as the runtime polls during backward
+    store.finish_reduce()
+
+
+@scenario
+def every_store_reduces_to_the_mean() -> dict[str, Any]:
+    """Per store: one pass; two passes in one step (the sum of both means); zero, then one
+    pass (that pass alone)."""
+    comm, rank, world = Communicator(), dist.get_rank(), dist.get_world_size()
+    layout = make_layout([(n, torch.Size(s), 0) for n, s in SHAPES.items()], world)
+    out: dict[str, Any] = {}
+    for kind, cls in GRAD_STORES.items():
+        store = cls(layout, rank, torch.float32, torch.device("cpu"), BufferPool(comm.device))
+        lo, hi = ((0, layout.padded_numel) if kind == "all_reduce"
+                  else layout.shard_bounds(rank))
+        got = []
+        for salts in ([1], [1, 2], [3]):
+            if salts != [1, 2]:
+                store.zero()
+            _pass(store, comm, salts[-1])
+            ref = _mean_flat(layout, salts, world)[lo:hi].float()
+            got.append(torch.equal(store.grad_shard, ref))
+        out[kind] = got
+    return out
+
+
+@scenario
+def hybrid_stores_sum_across_replicas() -> dict[str, Any]:
+    """Shard groups of one rank, the replica group of both: each shard is the world's mean
+    in every pass of a step and after ``zero``. The crossing starts in ``finish_reduce``:
+    gloo reports a collective complete only once waited for, so ``advance`` never finds the
+    group's reduction in and never starts it here (it does on nccl)."""
+    comm, world = Communicator(), dist.get_world_size()
+    shards, replicas = comm.split(1)
+    layout = make_layout([(n, torch.Size(s), 0) for n, s in SHAPES.items()], 1)
+    out: dict[str, Any] = {}
+    for kind in ("reduce_scatter_full", "reduce_scatter_sharded"):
+        store = GRAD_STORES[kind](layout, shards.rank, torch.float32, torch.device("cpu"),
+                                  BufferPool(comm.device), replicas=replicas)
+        got = []
+        for salts in ([1], [1, 2], [3]):
+            if salts != [1, 2]:
+                store.zero()
+            _pass(store, shards, salts[-1])
+            got.append(torch.equal(store.grad_shard, _mean_flat(layout, salts, world).float()))
+        out[kind] = got
+    return out
+
+
+@scenario
+def sharded_store_reduces_in_place_only_what_it_owns() -> dict[str, Any]:
+    """A one-parameter unit that fills its buffer exactly (adoptable): a gradient alone in
+    its storage is reduced where it lies (no pool memory taken); a view of a caller's tensor
+    is copied, and the caller's tensor keeps its values. Both reduce to the mean."""
+    comm, rank, world = Communicator(), dist.get_rank(), dist.get_world_size()
+    numel = 8 * world
+    layout = make_layout([("w", torch.Size((numel,)), 0)], world, shard_align=1)
+    lo, hi = layout.shard_bounds(rank)
+    ref = sum(_values(r, numel) for r in range(world)) / world
+    out: dict[str, Any] = {}
+    for case in ("alone", "view"):
+        pool = BufferPool(comm.device)
+        store = GRAD_STORES["reduce_scatter_sharded"](layout, rank, torch.float32,
+                                                       torch.device("cpu"), pool)
+        base = _values(rank, numel).reshape(2, -1)
+        # a view of the whole of ``base`` (offset 0, every byte): only its being a view
+        # tells it apart from a gradient alone in its storage
+        grad = _values(rank, numel) if case == "alone" else base.view(-1)
+        store.accumulate(0, grad)
+        store.launch_reduce(comm)
+        store.finish_reduce()
+        out[case] = {"mean": torch.equal(store.grad_shard, ref[lo:hi]),
+                     "pool_bytes": pool.held_bytes(),
+                     "caller_kept": torch.equal(base.reshape(-1), _values(rank, numel))}
+    out["buffer_bytes"] = layout.padded_numel * 4
+    return out
+
+
+def _values(rank: int, numel: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(7 + rank)
+    return torch.randint(-16_000, 16_000, (numel,), generator=gen).float() / 16
