@@ -69,6 +69,13 @@ def every_store_reduces_to_the_mean() -> dict[str, Any]:
             _pass(store, comm, salts[-1])
             ref = _mean_flat(layout, salts, world)[lo:hi].float()
             got.append(torch.equal(store.grad_shard, ref))
+        # a pass under no_sync (added locally, never reduced) that the user drops: zero
+        # forgets it everywhere in the buffer, not only in the shard
+        for index, grad in enumerate(_grads(rank, 9).values()):
+            store.accumulate(index, grad)
+        store.zero()
+        _pass(store, comm, 4)
+        got.append(torch.equal(store.grad_shard, _mean_flat(layout, [4], world)[lo:hi].float()))
         out[kind] = got
     return out
 
@@ -99,8 +106,9 @@ def hybrid_stores_sum_across_replicas() -> dict[str, Any]:
 @scenario
 def sharded_store_reduces_in_place_only_what_it_owns() -> dict[str, Any]:
     """A one-parameter unit that fills its buffer exactly (adoptable): a gradient alone in
-    its storage is reduced where it lies (no pool memory taken); a view of a caller's tensor
-    is copied, and the caller's tensor keeps its values. Both reduce to the mean."""
+    its storage is reduced where it lies, into the shard (no pool memory taken); a view of a
+    caller's tensor is copied, and the caller's tensor keeps its values. Both reduce to the
+    mean, in two steps."""
     comm, rank, world = Communicator(), dist.get_rank(), dist.get_world_size()
     numel = 8 * world
     layout = make_layout([("w", torch.Size((numel,)), 0)], world, shard_align=1)
@@ -114,12 +122,16 @@ def sharded_store_reduces_in_place_only_what_it_owns() -> dict[str, Any]:
         base = _values(rank, numel).reshape(2, -1)
         # a view of the whole of ``base`` (offset 0, every byte): only its being a view
         # tells it apart from a gradient alone in its storage
-        grad = _values(rank, numel) if case == "alone" else base.view(-1)
-        store.accumulate(0, grad)
-        store.launch_reduce(comm)
-        store.finish_reduce()
-        out[case] = {"mean": torch.equal(store.grad_shard, ref[lo:hi]),
-                     "pool_bytes": pool.held_bytes(),
+        means, pool_bytes = [], []
+        for _ in range(2):  # two steps: the first reduction after zero lands in the shard too
+            store.zero()
+            grad = _values(rank, numel) if case == "alone" else base.view(-1)
+            store.accumulate(0, grad)
+            store.launch_reduce(comm)
+            store.finish_reduce()
+            means.append(torch.equal(store.grad_shard, ref[lo:hi]))
+            pool_bytes.append(pool.held_bytes())
+        out[case] = {"mean": means, "pool_bytes": pool_bytes,
                      "caller_kept": torch.equal(base.reshape(-1), _values(rank, numel))}
     out["buffer_bytes"] = layout.padded_numel * 4
     return out
