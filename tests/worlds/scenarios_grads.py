@@ -43,12 +43,38 @@ def _mean_flat(layout: FlatLayout, salts: list[int], world: int) -> torch.Tensor
     return flat
 
 
-def _pass(store: GradStore, comm: Communicator, salt: int) -> None:
+def _pass(store: GradStore, comm: Any, salt: int) -> list[bool]:
+    """One synchronised pass; what ``advance`` answered, polled twice as the runtime polls
+    during backward."""
     for index, grad in enumerate(_grads(dist.get_rank(), salt).values()):
         store.accumulate(index, grad)
     store.launch_reduce(comm)
-    store.advance()  # as the runtime polls during backward
+    started = [store.advance(), store.advance()]
     store.finish_reduce()
+    return started
+
+
+class _Done:
+    def wait(self, host: bool = False) -> bool:
+        return True
+
+    def ready(self) -> bool:
+        return True
+
+
+class _Completing:
+    """A shard group whose reductions are complete once launched, as nccl's report
+    themselves once the device has run them: ``advance`` then finds the group's reduction in
+    and starts the crossing itself, which gloo's (complete only once waited for) never let
+    it do."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm, self.rank, self.world_size = comm, comm.rank, comm.world_size
+
+    def reduce_scatter(self, out: torch.Tensor, local: torch.Tensor,
+                       async_op: bool = False) -> _Done:
+        self.comm.reduce_scatter(out, local, async_op=True).wait()
+        return _Done()
 
 
 @scenario
@@ -83,23 +109,30 @@ def every_store_reduces_to_the_mean() -> dict[str, Any]:
 @scenario
 def hybrid_stores_sum_across_replicas() -> dict[str, Any]:
     """Shard groups of one rank, the replica group of both: each shard is the world's mean
-    in every pass of a step and after ``zero``. The crossing starts in ``finish_reduce``:
-    gloo reports a collective complete only once waited for, so ``advance`` never finds the
-    group's reduction in and never starts it here (it does on nccl)."""
+    in every pass of a step and after ``zero``, the crossing started by ``finish_reduce``
+    (gloo) or by ``advance`` (a group whose reduction completes at once). ``advance`` says
+    whether the crossing has started: not while the group's reduction is out, and always
+    where there is none to start (no replicas)."""
     comm, world = Communicator(), dist.get_world_size()
     shards, replicas = comm.split(1)
     layout = make_layout([(n, torch.Size(s), 0) for n, s in SHAPES.items()], 1)
     out: dict[str, Any] = {}
     for kind in ("reduce_scatter_full", "reduce_scatter_sharded"):
-        store = GRAD_STORES[kind](layout, shards.rank, torch.float32, torch.device("cpu"),
-                                  BufferPool(comm.device), replicas=replicas)
-        got = []
-        for salts in ([1], [1, 2], [3]):
-            if salts != [1, 2]:
-                store.zero()
-            _pass(store, shards, salts[-1])
-            got.append(torch.equal(store.grad_shard, _mean_flat(layout, salts, world).float()))
-        out[kind] = got
+        for group in (shards, _Completing(shards)):
+            store = GRAD_STORES[kind](layout, shards.rank, torch.float32, torch.device("cpu"),
+                                      BufferPool(comm.device), replicas=replicas)
+            got, started = [], []
+            for salts in ([1], [1, 2], [3]):
+                if salts != [1, 2]:
+                    store.zero()
+                started += _pass(store, group, salts[-1])
+                ref = _mean_flat(layout, salts, world).float()
+                got.append(torch.equal(store.grad_shard, ref))
+            name = "completing" if isinstance(group, _Completing) else "gloo"
+            out[f"{kind}_{name}"] = {"mean": got, "started": started}
+        alone = GRAD_STORES[kind](layout, 0, torch.float32, torch.device("cpu"),
+                                  BufferPool(comm.device))
+        out[f"{kind}_no_replicas"] = {"started": _pass(alone, shards, 1)}
     return out
 
 
@@ -123,8 +156,9 @@ def sharded_store_reduces_in_place_only_what_it_owns() -> dict[str, Any]:
         # a view of the whole of ``base`` (offset 0, every byte): only its being a view
         # tells it apart from a gradient alone in its storage
         means, pool_bytes = [], []
-        for _ in range(2):  # two steps: the first reduction after zero lands in the shard too
-            store.zero()
+        for step in range(2):  # the first reduction of a new store, or after zero, is in place
+            if step:
+                store.zero()
             grad = _values(rank, numel) if case == "alone" else base.view(-1)
             store.accumulate(0, grad)
             store.launch_reduce(comm)
