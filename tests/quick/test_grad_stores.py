@@ -32,6 +32,10 @@ def test_hybrid_stores_sum_across_replicas_once(world2: dict) -> None:
             assert r[f"{kind}_no_replicas"] == {"started": [True, True]}, r
 
 
+def test_a_pass_cut_short_is_dropped_without_crossing_replicas(world2: dict) -> None:
+    assert check(world2["a_pass_cut_short_is_not_crossed"]) == [{"mean": True}] * 2
+
+
 def test_only_an_exclusive_gradient_is_reduced_in_place(world2: dict) -> None:
     for r in check(world2["sharded_store_reduces_in_place_only_what_it_owns"]):
         alone, view = r["alone"], r["view"]

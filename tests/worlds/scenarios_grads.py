@@ -137,6 +137,27 @@ def hybrid_stores_sum_across_replicas() -> dict[str, Any]:
 
 
 @scenario
+def a_pass_cut_short_is_not_crossed() -> dict[str, Any]:
+    """Hybrid sharding, a pass cut short at different points on the two replicas (rank 0
+    launched the unit's reduction, rank 1 failed before): ``zero`` drops rank 0's without
+    crossing it, a collective rank 1 never joins (it would pair with rank 1's next one, or
+    time out). The next pass is the world's mean on both."""
+    comm, rank, world = Communicator(timeout=20), dist.get_rank(), dist.get_world_size()
+    shards, replicas = comm.split(1)
+    layout = make_layout([(n, torch.Size(s), 0) for n, s in SHAPES.items()], 1)
+    store = GRAD_STORES["reduce_scatter_sharded"](layout, 0, torch.float32,
+                                                   torch.device("cpu"),
+                                                   BufferPool(comm.device), replicas=replicas)
+    for index, grad in enumerate(_grads(rank, 9).values()):
+        store.accumulate(index, grad)
+    if rank == 0:
+        store.launch_reduce(shards)
+    store.zero()
+    _pass(store, shards, 3)
+    return {"mean": torch.equal(store.grad_shard, _mean_flat(layout, [3], world).float())}
+
+
+@scenario
 def sharded_store_reduces_in_place_only_what_it_owns() -> dict[str, Any]:
     """A one-parameter unit that fills its buffer exactly (adoptable): a gradient alone in
     its storage is reduced where it lies, into the shard (no pool memory taken); a view of a
