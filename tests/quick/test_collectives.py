@@ -314,3 +314,13 @@ def test_an_exchange_left_pending_past_its_group_is_never_destroyed() -> None:
     del kept
     gc.collect()
     assert alive() is None
+
+
+def test_a_failed_collective_names_the_rank_it_exchanged_with(world: tuple[int, dict]) -> None:
+    n, results = world
+    for rank, r in enumerate(check(results["errors_name_the_peer"])):
+        assert f"exchanging with rank {(rank + 1) % n}" in r["direct"], r
+        if n == 2:
+            assert f"exchanging with rank {1 - rank}" in r["backend"], r
+        else:
+            assert "exchanging" not in r["backend"], r

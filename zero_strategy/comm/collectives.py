@@ -617,6 +617,10 @@ class Communicator:
             f"{self._reported_failures()}")
 
     def _with(self, peer: int | None) -> str:
+        if peer is None and self.world_size == 2:
+            # A collective of the backend (the side channel's headers, an all-reduce) on two
+            # ranks exchanges with the other one only: name it as a direct exchange would.
+            peer = 1 - self.rank
         if peer is None:
             return ""
         known = f" (global rank {self._peers[peer]})" if self.group is not None else ""
