@@ -324,3 +324,5 @@ def test_a_failed_collective_names_the_rank_it_exchanged_with(world: tuple[int, 
             assert f"exchanging with rank {1 - rank}" in r["backend"], r
         else:
             assert "exchanging" not in r["backend"], r
+        if rank != 0:
+            assert "rank 0 failed: InjectedFault in forward" in r["side"], r

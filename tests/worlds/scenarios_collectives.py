@@ -288,5 +288,15 @@ def errors_name_the_peer() -> dict[str, Any]:
     (the only one it exchanges with), and none on more."""
     comm = Communicator()
     cause = RuntimeError("Connection closed by peer")
+    # A failure rank 0 reported is read by an error on the side channel too (the gather
+    # headers travel there, and often time out first when a peer failed).
+    side = comm.side_channel()
+    if comm.rank == 0:
+        comm.ledger.report("InjectedFault in forward")
+    dist.barrier()
+    on_side = str(side._error("all_gather", TimeoutError("timed out")))
+    dist.barrier()
+    comm.ledger.clear()
     return {"backend": str(comm._error("all_gather", cause)),
-            "direct": str(comm._error("reduce_scatter", cause, (comm.rank + 1) % comm.world_size))}
+            "direct": str(comm._error("reduce_scatter", cause, (comm.rank + 1) % comm.world_size)),
+            "side": on_side}

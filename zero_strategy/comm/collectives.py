@@ -494,6 +494,10 @@ class Communicator:
         side = Communicator(group, timeout=self.timeout_s, step=self._step)
         side.use_device(self.device)
         side.bytes_sent = self.bytes_sent  # the same ranks' traffic: counted as theirs
+        # and the same ranks' failures: a peer reports into this communicator's keys, which
+        # an error on the side channel (the gather headers, often the first to time out
+        # when a peer failed) must read to name the cause
+        side.ledger = self.ledger
         return side
 
     def all_gather_polled(self, flat_output: torch.Tensor, shard: torch.Tensor) -> Handle:
