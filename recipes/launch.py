@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -51,7 +52,12 @@ def check_job(cfg: DictConfig) -> None:
                              f"trainer.limit_val_batches={cfg.trainer.limit_val_batches} runs "
                              "none; set it to 1 or more")
     check_strategy(cfg)
-    rendezvous.check_nodes(cfg.trainer)
+    if str(cfg.launcher.name) == "ray":
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError("launcher=ray runs each job as a Ray Train job and needs Ray, "
+                             "which is not installed: pip install \"zero-strategy[ray]\"")
+    else:  # Ray places the workers of every node itself: no rendezvous to configure
+        rendezvous.check_nodes(cfg.trainer)
     from recipes.resume import resume_source
 
     resume_source(cfg.trainer.get("resume_from"))  # a path that is no checkpoint: refused now
@@ -138,9 +144,10 @@ def run_job(cfg: DictConfig, out: Path | None = None) -> float:
     check_job(cfg)
     out = out or job_dir()
     out.mkdir(parents=True, exist_ok=True)
-    # A worker that dies (process or node lost) makes torch.distributed.run restart them all;
-    # they resume from the job's last checkpoint (worker.py).
-    nodes = rendezvous.job_rendezvous(cfg.trainer, str(cfg.name), job_number())
+    # A worker that dies (process or node lost) makes torch.distributed.run (or Ray) restart
+    # them all; they resume from the job's last checkpoint (worker.py).
+    ray = str(cfg.launcher.name) == "ray"
+    nodes = None if ray else rendezvous.job_rendezvous(cfg.trainer, str(cfg.name), job_number())
     if nodes is not None and int(cfg.trainer.num_nodes) != nodes.nnodes:
         with open_dict(cfg):  # a SLURM allocation's nodes: the workers' Trainer needs them
             cfg.trainer.num_nodes = nodes.nnodes
@@ -156,6 +163,12 @@ def run_job(cfg: DictConfig, out: Path | None = None) -> float:
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     if str(cfg.strategy.impl) == "deepspeed" and cfg.trainer.accelerator == "cpu":
         env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator
+    if ray:
+        from recipes import ray_job
+
+        print(f"[{cfg.name}] {nproc * int(cfg.trainer.num_nodes)} Ray Train workers", flush=True)
+        code: int | str = ray_job.run(cfg, config_file, env, out)
+        return finish_job(cfg, out, config_file, code)
     argv = agent.torchrun_args(nproc, int(cfg.trainer.max_restarts), config_file, nodes)
     how = "forked from this preloaded process" if cfg.trainer.preload else "new interpreters"
     where = f" on this node of {nodes.nnodes}" if nodes is not None else ""
@@ -166,6 +179,11 @@ def run_job(cfg: DictConfig, out: Path | None = None) -> float:
         code = agent.run_forked(argv, env, int(cfg.trainer.timeout_s))
     else:
         code = agent.run_subprocess(argv, env, int(cfg.trainer.timeout_s))
+    return finish_job(cfg, out, config_file, code)
+
+
+def finish_job(cfg: DictConfig, out: Path, config_file: Path, code: int | str) -> float:
+    """The job's measurements, printed and returned to Hydra; a failed job raises."""
     metrics_file = out / "metrics.json"
     if code != 0 or not metrics_file.exists():
         raise RuntimeError(f"job {cfg.name!r} failed (exit {code}); its output is above, its "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +41,14 @@ class PeriodicCheckpoint(L.Callback):
     """Every ``every`` optimizer steps, the job's whole state into ``path``, replaced as a
     whole: a worker killed while saving leaves the previous checkpoint loadable."""
 
-    def __init__(self, path: Path, every: int, metrics: Any = None) -> None:
+    def __init__(self, path: Path, every: int, metrics: Any = None,
+                 after_save: Callable[[L.Trainer, Path], None] | None = None) -> None:
         self.path, self.every, self.last = path, every, 0
         self.metrics = metrics
         """JobMetrics, told that the checkpoint's traffic is not training's (FSDP gathers
         the whole model to write it)."""
+        self.after_save = after_save
+        """Called on every rank once the checkpoint is complete (a Ray job reports it)."""
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
@@ -59,6 +63,8 @@ class PeriodicCheckpoint(L.Callback):
         if trainer.is_global_zero:
             copy_for_tests(self.path, step)
         trainer.strategy.barrier("recipes.resume.copied")
+        if self.after_save is not None:
+            self.after_save(trainer, self.path)
         if self.metrics is not None:
             self.metrics.outside_training_end(trainer)
 

@@ -60,6 +60,7 @@ class DataConf:
 
 ZERO_OPTIONS = (
     "reduce_dtype", "bucket_numel", "unit_numel", "param_persistence_threshold", "prefetch",
+    "prefetch_units",
     "unit_leaf_classes", "check_gather_order", "overlap_param_gather", "offload_optimizer",
     "offload_params", "offload_dir", "disk_staging_bytes", "broadcast_buffers", "nonfinite_grads",
     "elementwise_optimizer", "shard_group_size", "quantize_weights", "quantize_gradients",
@@ -188,6 +189,27 @@ class TrainerConf:
     it has one, takes precedence (a restarted worker resumes where this job got to)."""
 
 
+class LauncherName(_Choice):
+    torchrun = "torchrun"
+    ray = "ray"
+
+
+@dataclass
+class LauncherConf:
+    name: LauncherName = LauncherName.torchrun
+    """torchrun: the Hydra process starts each job's workers (recipes/agent.py); ray: each job
+    is a Ray Train job (recipes/ray_job.py)."""
+    address: Optional[str] = None  # noqa: UP045
+    """ray: an existing cluster's address (``ray.init(address=...)``); None starts a local
+    Ray in the Hydra process, for every job of a sweep."""
+    num_cpus: Optional[int] = None  # noqa: UP045
+    object_store_mb: int = 200
+    temp_dir: Optional[str] = None  # noqa: UP045
+    cpus_per_worker: int = 1
+    storage_path: Optional[str] = None  # noqa: UP045
+    """Where Ray keeps each run's reported checkpoints; None: ``<job dir>/ray``."""
+
+
 @dataclass
 class Config:
     model: ModelConf = field(default_factory=ModelConf)
@@ -196,6 +218,7 @@ class Config:
     precision: PrecisionConf = field(default_factory=PrecisionConf)
     trainer: TrainerConf = field(default_factory=TrainerConf)
     optim: OptimConf = field(default_factory=OptimConf)
+    launcher: LauncherConf = field(default_factory=LauncherConf)
     name: str = "default"
     optimized_metric: Optional[str] = None  # noqa: UP045
     """The measurement a job returns to the sweeper (``hparams_search`` sets it): one of

@@ -75,13 +75,13 @@ def process_started() -> float:
 
 
 def _callbacks(cfg: Any, metrics: JobMetrics, nodes: NodeAgreement | None,
-               checkpoint: Path) -> list[L.Callback]:
+               checkpoint: Path, launcher: Any) -> list[L.Callback]:
     callbacks: list[L.Callback] = [EndAtOnceOnSigterm(), metrics]
     if nodes is not None:
         callbacks.insert(0, nodes)  # its checks come before anything is written
     if int(cfg.trainer.checkpoint_every) > 0:
         callbacks.append(PeriodicCheckpoint(checkpoint, int(cfg.trainer.checkpoint_every),
-                                            metrics))
+                                            metrics, launcher.saved if launcher else None))
     fault = InjectedFault.from_env()  # tests only
     if fault is not None:
         callbacks.append(fault)
@@ -90,11 +90,14 @@ def _callbacks(cfg: Any, metrics: JobMetrics, nodes: NodeAgreement | None,
     return callbacks
 
 
-def main(config_file: str) -> None:
+def main(config_file: str, launcher: Any = None) -> None:
+    """One worker of the job. ``launcher``: the hooks of a Ray Train worker
+    (``recipes/ray_job.RayWorker``) when Ray started this one; torchrun's otherwise."""
     entered = time.time()
-    # A worker whose agent is gone (killed outright) has nobody to wait for it or restart it.
-    die_with_parent(signal.SIGKILL)
-    leave_preemption_to_the_launcher()
+    if launcher is None:  # Ray keeps its workers' lives itself (and runs this off the main thread)
+        # A worker whose agent is gone (killed outright) has nobody to wait for or restart it.
+        die_with_parent(signal.SIGKILL)
+        leave_preemption_to_the_launcher()
     quiet_console()
     COUNTER.install()  # before any strategy holds a reference to a collective
     cfg = OmegaConf.load(config_file)
@@ -112,12 +115,13 @@ def main(config_file: str) -> None:
                            model_built=time.time() - t0)
     nodes = NodeAgreement(cfg, job) if int(cfg.trainer.num_nodes) > 1 else None
     checkpoint = job / "checkpoints" / "last.ckpt"
-    callbacks = _callbacks(cfg, metrics, nodes, checkpoint)
+    callbacks = _callbacks(cfg, metrics, nodes, checkpoint, launcher)
     # Lightning cannot see that the data module restores the epoch's position (resume.py).
     warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended")
+    processes = launcher.trainer_options(cfg) if launcher else {
+        "devices": int(cfg.trainer.devices), "num_nodes": int(cfg.trainer.num_nodes)}
     trainer = L.Trainer(
-        accelerator=cfg.trainer.accelerator, devices=int(cfg.trainer.devices),
-        num_nodes=int(cfg.trainer.num_nodes),
+        accelerator=cfg.trainer.accelerator, **processes,
         strategy=make_strategy(cfg, module), precision=cfg.precision.name,
         max_steps=int(cfg.trainer.max_steps),
         accumulate_grad_batches=int(cfg.trainer.accumulate_grad_batches),
@@ -129,7 +133,8 @@ def main(config_file: str) -> None:
         enable_model_summary=True, logger=False, callbacks=callbacks,
         default_root_dir=str(job),
     )
-    start = last_checkpoint(checkpoint) or resume_source(cfg.trainer.get("resume_from"))
+    start = ((launcher.resume_from(checkpoint) if launcher else None)
+             or last_checkpoint(checkpoint) or resume_source(cfg.trainer.get("resume_from")))
     trainer.fit(module, datamodule=data, ckpt_path=start)
     if metrics.needs_final_validation(trainer):
         # The val loss reported (and minimised by hparams_search) is the final model's, also
@@ -137,6 +142,9 @@ def main(config_file: str) -> None:
         trainer.validate(module, datamodule=data, verbose=False)
     metrics.finish(trainer, module,
                    copy_here=nodes is not None and nodes.writes_metrics_copy(trainer))
+    if launcher is not None:  # Ray ends its workers' process group itself
+        launcher.finished(metrics.out, trainer.global_rank)
+        return
     # Shut the group down while every rank is alive: left to interpreter exit, gloo's threads
     # can be torn down mid-flight and abort the process after a successful run.
     from zero_strategy.comm.collectives import destroy_default_group

@@ -1,5 +1,5 @@
 """``zero_strategy/core`` knows no framework: none of its modules imports transformers,
-Lightning, Accelerate, PEFT or TRL, nor names one of their modules as a string (a
+Lightning, Accelerate, PEFT, TRL or Ray, nor names one of their modules as a string (a
 ``sys.modules`` lookup, ``importlib.import_module``). A framework's layers reach the core's
 activation checkpointing through a ``LayerKind`` its integration registers
 (``core/layer_kinds.py``); transformers' is registered by ``import zero_strategy`` without
@@ -22,7 +22,7 @@ from zero_strategy.core.layer_kinds import layer_kinds
 
 CORE = Path(zero_strategy.__file__).parent / "core"
 FRAMEWORKS = ("transformers", "lightning", "pytorch_lightning", "lightning_fabric",
-              "accelerate", "peft", "trl")
+              "accelerate", "peft", "trl", "ray")
 MODULE_NAME = re.compile(rf"^({'|'.join(FRAMEWORKS)})(\.[\w.]*)?$")
 
 

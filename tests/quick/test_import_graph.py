@@ -84,3 +84,42 @@ def test_zero_engine_declares_every_member_of_the_view() -> None:
     declared = {name for cls in ZeroEngine.__mro__ for name in vars(cls).get("__annotations__", {})}
     missing = {name for name in wanted if name not in declared and not hasattr(ZeroEngine, name)}
     assert not missing, sorted(missing)
+
+
+# ------------------------------------------------------------------------------ Ray
+RAY_MODULES = ("zero_strategy/integrations/ray/", "recipes/ray_job.py")
+"""The only files that import Ray (the optional ``ray`` extra): the engine, the other
+extras and the recipes' torchrun jobs install and import without it."""
+
+
+def _imports_ray(path: Path) -> list[int]:
+    """Lines of ``path`` importing ``ray`` or a submodule of it (absolute imports only: a
+    relative ``from . import ray`` is one of ours)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                 else [])
+        if any(n == "ray" or n.startswith("ray.") for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_ray_modules_import_ray() -> None:
+    checkout = ROOT.parent
+    sources = sorted([*ROOT.rglob("*.py"), *(checkout / "recipes").rglob("*.py")])
+    offenders = {str(p.relative_to(checkout)): lines for p in sources
+                 if (lines := _imports_ray(p))
+                 and not str(p.relative_to(checkout)).startswith(RAY_MODULES)}
+    assert not offenders, f"Ray imported outside {RAY_MODULES}: {offenders}"
+    assert _imports_ray(ROOT / "integrations" / "ray" / "report.py"), "the scan sees no import"
+
+
+def test_only_the_ray_entry_point_reaches_the_ray_adapter() -> None:
+    """``zero_strategy.ray`` alone imports ``zero_strategy.integrations.ray``: nothing else of
+    the package pulls Ray in through it."""
+    adapter = "zero_strategy.integrations.ray"
+    offenders = sorted(name for name, targets in _graph().items()
+                       if not (name == "zero_strategy.ray" or name.startswith(adapter))
+                       and any(t == adapter or t.startswith(adapter + ".") for t in targets))
+    assert not offenders, offenders

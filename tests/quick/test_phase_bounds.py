@@ -54,11 +54,30 @@ def test_gradient_and_optimizer_terms_are_what_the_step_allocates(runs: list[dic
         assert r["terms"]["optimizer_states"] == r["optimizer_growth"], r
 
 
+def test_enclosing_units_hold_their_gradient_through_the_inner_backward(runs: list[dict]
+                                                                        ) -> None:
+    """The root's and the body's full-size gradients are alive when an inner block's
+    gradient arrives (their own parameters' gradients came first: the head's, the gate's),
+    so the bound counts both whole beside the window of inner units; and the gradient
+    autograd makes of the largest trainable parameter before it is added in."""
+    for r in runs:
+        u, t = r["units"], r["terms"]
+        assert r["held_at_inner_gradient"], "the hook on an inner block's weight never ran"
+        for held in r["held_at_inner_gradient"]:
+            assert {"", "body"} <= set(held), held
+        assert t["enclosing_gradients"] == (u[""][0] + u["body"][0]) * 4
+        assert t["autograd_gradient"] == r["largest_trainable"] * 4 == 40 * 40 * 4  # a big weight
+
+
 def test_each_bound_adds_its_terms_and_the_slack(runs: list[dict]) -> None:
     t, b = runs[0]["terms"], runs[0]["bounds"]
     assert b["forward"] == t["gathered"] + t["activations"] + SLACK_BYTES
     assert t["routed_held"] == 0  # no routed block in this model
-    assert b["backward"] == b["forward"] + t["gradient_buffers"] + t["gradient_shards"]
+    # Two ranks: the direct reduce-scatter receives its one peer's slice into the output,
+    # so no receive scratch (tests/quick/test_collectives.py checks N - 2 at three).
+    assert t["reduce_scratch"] == 0
+    assert b["backward"] == (b["forward"] + t["gradient_buffers"] + t["enclosing_gradients"]
+                             + t["autograd_gradient"] + t["gradient_shards"])
     assert b["step"] == t["optimizer_states"] + t["step_scratch"] + SLACK_BYTES
     assert b["save"] == t["save_buckets"] + SLACK_BYTES
     with_activations = runs[0]["bounds_with_activations"]

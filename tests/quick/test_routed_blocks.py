@@ -21,7 +21,7 @@ from tests.support.routed_models import (
 from zero_strategy.config import ZeroConfig
 from zero_strategy.core.plan import make_plan
 from zero_strategy.core.routed import is_routed_block, routed_blocks
-from zero_strategy.core.units import module_specs, plan_specs
+from zero_strategy.core.units import plan_specs
 
 SEEDS = range(40)
 
@@ -75,18 +75,71 @@ def _dense_models() -> list[torch.nn.Module]:
     return [gpt2, llama]
 
 
+def _gpt2_units(unit_numel: int) -> list[tuple[str, int]]:
+    """The units ``_dense_models``' GPT-2 must split into, written out from its config (d=24,
+    vocab 64, 3 positions, 3 layers) and the documented rule (a post-order walk: a called
+    module whose unclaimed parameters reach ``unit_numel`` is a unit; the root takes the
+    rest), not from the planner."""
+    d, ln = 24, 2 * 24
+    c_attn, c_proj, c_fc, mlp_proj = d * 3 * d + 3 * d, d * d + d, d * 4 * d + 4 * d, 4 * d * d + d
+    # The tied wte/lm_head weight is registered by transformer.wte and lm_head, whose closest
+    # common module is the root, so the root owns it.
+    wte, wpe = 64 * d, 3 * d
+    layers = [f"transformer.h.{i}" for i in range(3)]
+    if unit_numel == 1:
+        return [("transformer.wpe", wpe)] + [
+            (f"{h}.{name}", size) for h in layers
+            for name, size in [("ln_1", ln), ("attn.c_attn", c_attn), ("attn.c_proj", c_proj),
+                               ("ln_2", ln), ("mlp.c_fc", c_fc), ("mlp.c_proj", mlp_proj)]
+        ] + [("transformer.ln_f", ln), ("", wte)]
+    if unit_numel == 2000:
+        # c_attn (1800) and attn's c_proj (600) are each short of 2000, together a unit at
+        # attn; c_fc (2400) and mlp's c_proj (2328) reach it alone, leaving mlp empty; the
+        # layer norms (48 each) climb to the root with wte and wpe.
+        return [(f"{h}.{name}", size) for h in layers
+                for name, size in [("attn", c_attn + c_proj), ("mlp.c_fc", c_fc),
+                                   ("mlp.c_proj", mlp_proj)]] + [("", wte + wpe + 7 * ln)]
+    return [("", wte + wpe + 3 * (2 * ln + c_attn + c_proj + c_fc + mlp_proj) + ln)]
+
+
+def _llama_units(unit_numel: int) -> list[tuple[str, int]]:
+    """The same for ``_dense_models``' Llama (d=24, intermediate 48, vocab 64, 3 layers, no
+    biases, lm_head untied)."""
+    d, inter, vocab = 24, 48, 64
+    attn, mlp = [("q_proj", d * d), ("k_proj", d * d), ("v_proj", d * d), ("o_proj", d * d)], [
+        ("gate_proj", d * inter), ("up_proj", d * inter), ("down_proj", inter * d)]
+    layers = [f"model.layers.{i}" for i in range(3)]
+    if unit_numel == 1:
+        return [("model.embed_tokens", vocab * d)] + [
+            (f"{layer}.{name}", size) for layer in layers
+            for name, size in [(f"self_attn.{n}", s) for n, s in attn]
+            + [(f"mlp.{n}", s) for n, s in mlp]
+            + [("input_layernorm", d), ("post_attention_layernorm", d)]
+        ] + [("model.norm", d), ("lm_head", vocab * d)]
+    if unit_numel == 2000:
+        # Every projection (576, 1152) is short of 2000; self_attn (2304) and mlp (3456) reach
+        # it; the norms (24 each) climb to the root with both embedding tables.
+        return [(f"{layer}.{name}", size) for layer in layers
+                for name, size in [("self_attn", 4 * d * d), ("mlp", 3 * d * inter)]] + [
+            ("", 2 * vocab * d + 7 * d)]
+    return [("", 2 * vocab * d + 3 * (4 * d * d + 3 * d * inter + 2 * d) + d)]
+
+
 @pytest.mark.parametrize("unit_numel", [1, 2000, 10**9])
 def test_dense_transformers_unit_specs_are_unchanged(unit_numel: int) -> None:
-    for model in _dense_models():
+    """Routed-block recognition finds nothing in dense GPT-2 and Llama, and their split is the
+    one their configs imply (``_gpt2_units``, ``_llama_units``), every parameter in one unit."""
+    expected = [_gpt2_units(unit_numel), _llama_units(unit_numel)]
+    for model, want in zip(_dense_models(), expected):
         assert routed_blocks(model) == frozenset()
         plan = make_plan(ZeroConfig(stage=3, unit_numel=unit_numel,
                                     param_persistence_threshold=0), world_size=2)
         managed = list(model.named_parameters())
-        with_recognition = plan_specs(model, managed, plan)
-        # What the split was before recognition: the same walk with no leaf modules.
-        before = module_specs(model, managed, unit_numel, plan.layout.main)
-        got = [(s.name, [n for n, _ in s.params]) for s in with_recognition]
-        assert got == [(s.name, [n for n, _ in s.params]) for s in before], type(model)
+        specs = plan_specs(model, managed, plan)
+        got = [(s.name, sum(p.numel() for _, p in s.params)) for s in specs]
+        assert got == want, type(model)
+        placed = sorted(n for s in specs for n, _ in s.params)
+        assert placed == sorted(n for n, _ in managed), type(model)
 
 
 @pytest.fixture(scope="module")

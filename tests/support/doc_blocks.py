@@ -2,7 +2,8 @@
 
 A block preceded by ``<!-- test: python -->`` is a complete example run as a script in a fresh
 directory, ``<!-- test: torchrun N -->`` one run under ``torch.distributed.run`` with N
-processes (gloo on CPU); every other Python block is a fragment."""
+processes (gloo on CPU), ``<!-- test: ray -->`` one run as a driver of the Ray instance of
+tests/integration/test_ray.py (``RAY_ADDRESS``); every other Python block is a fragment."""
 
 from __future__ import annotations
 
@@ -27,5 +28,6 @@ def _blocks() -> list[tuple[str, str | None, str]]:
 
 
 BLOCKS = _blocks()
-RUNNABLE = [(where, how, code) for where, how, code in BLOCKS if how]
+RUNNABLE = [(where, how, code) for where, how, code in BLOCKS if how and how != "ray"]
+RAY_EXAMPLES = [(where, code) for where, how, code in BLOCKS if how == "ray"]
 FRAGMENTS = [(where, code) for where, how, code in BLOCKS if not how]

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import multiprocessing
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -57,12 +58,26 @@ def run_world(module_file: str, world_size: int, timeout: float = 500.0,
     """{scenario name: [result of rank 0, rank 1, ...]}; a failed scenario's result is
     {"error": traceback}."""
     out_dir = tempfile.mkdtemp(prefix="zs-world-")
+    try:
+        return _run_in(out_dir, module_file, world_size, timeout, env)
+    finally:
+        # Scenarios write checkpoints and saved models (hundreds of MiB) through tempfile;
+        # TMPDIR points them here, so a world that fails or is killed leaves nothing behind
+        # (leaked model folders once filled the disk under CI).
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def _run_in(out_dir: str, module_file: str, world_size: int, timeout: float,
+            env: dict[str, str] | None) -> dict[str, list[Any]]:
+    scratch = Path(out_dir, "tmp")
+    scratch.mkdir()
     port = str(_free_port())
     envs = [{
         **os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size),
         "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
         "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
         "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "TMPDIR": str(scratch),
         **(env or {}),
     } for rank in range(world_size)]
     fresh = any(k.startswith(_FRESH_ONLY) for k in env or {})
@@ -122,6 +137,7 @@ def _forked_worker(module_file: str, out_dir: str, env: dict[str, str], log: str
     os.dup2(fd, 2)
     os.environ.clear()
     os.environ.update(env)
+    tempfile.tempdir = None  # the fork server cached its own; read this world's TMPDIR again
     try:
         _worker(module_file, out_dir)
     finally:

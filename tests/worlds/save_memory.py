@@ -77,10 +77,15 @@ def peak_rss() -> dict[str, Any]:
     saved_mib, _ = _peak_growth(lambda: engine.save_pretrained(out, bucket_bytes=BUCKET))
     dist.barrier()
     whole_mib, full = _peak_growth(engine.full_state_dict)
-    loaded = GPT2LMHeadModel.from_pretrained(out) if dist.get_rank() == 0 else None
-    same = loaded is None or all(torch.equal(v, full[k])
-                                 for k, v in loaded.state_dict().items())
-    del full, loaded
+    # The engine has not stepped, so every rank's read of the saved folder, and the whole
+    # state it consolidated, must be the source folder's weights as plain transformers
+    # reads them, bit for bit (fp32 copied, never computed).
+    source_state = GPT2LMHeadModel.from_pretrained(source).state_dict()
+    saved_state = GPT2LMHeadModel.from_pretrained(out).state_dict()
+    same = (saved_state.keys() == source_state.keys() == full.keys()
+            and all(torch.equal(v, source_state[k]) and torch.equal(full[k], source_state[k])
+                    for k, v in saved_state.items()))
+    del full, source_state, saved_state
     dist.barrier()
     return {"saved_mib": saved_mib, "whole_mib": whole_mib, "same_weights": same,
             "model_mib": report["num_params"] * 4 / 2**20,

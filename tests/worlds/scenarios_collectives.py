@@ -82,6 +82,7 @@ def reduce_scatter_matches_the_sum() -> dict[str, Any]:
     except ValueError as e:
         aliased = str(e)
     return {"worst_over_bound": worst, "exact_two": exact_two, "scratch": taken,
+            "scratch_slices": comm.reduce_scatter_scratch_slices,
             "pool_blocks": sum(len(v) for v in pool._free.values()), "aliased": aliased}
 
 

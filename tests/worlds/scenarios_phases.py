@@ -78,6 +78,12 @@ def bounds_against_what_the_engine_holds() -> dict[str, Any]:
              for m in model.modules()]
     hooks += [p.register_post_accumulate_grad_hook(lambda _: seen.append(_gathered_bytes(engine)))
               for p in model.parameters() if p.requires_grad]
+    # Which units hold a full-size local gradient when an inner block's gradient arrives:
+    # the enclosing ones (root, body) got theirs first and reduce only at their module's end.
+    held_inner: list[list[str]] = []
+    hooks.append(model.body.blocks[1].big.weight.register_post_accumulate_grad_hook(
+        lambda _: held_inner.append([u.name for u in engine.units
+                                     if getattr(u.grad_store, "local", None) is not None])))
     x = torch.randn(4, 6, WIDTH, generator=torch.Generator().manual_seed(engine.comm.rank))
     engine(x).square().mean().backward()
     after_backward = engine.memory_report()
@@ -91,6 +97,8 @@ def bounds_against_what_the_engine_holds() -> dict[str, Any]:
         "units": {u.name: [u.layout.padded_numel, u.layout.shard_numel,
                            any(p.requires_grad for p in u.params)] for u in engine.units},
         "params_at_rest": rest["params_bytes"], "most_gathered": max(seen),
+        "held_at_inner_gradient": held_inner,
+        "largest_trainable": max(p.numel() for p in model.parameters() if p.requires_grad),
         "grads_after_backward": after_backward["grads_bytes"],
         "optimizer_growth": after_step["optimizer_bytes"] - after_backward["optimizer_bytes"],
         "report_bounds": {k: v for k, v in with_report.items() if k.startswith("bound_")},

@@ -155,6 +155,9 @@ def hub_weights(stage: int, kind: str, bucket_bytes: int, to: int | str) -> dict
     mine = to == "all" or dist.get_rank() == to
     result: dict[str, Any] = {"received": len(got), "mine": mine}
     if mine:
+        # The values: what plain save_pretrained writes for a plain model holding the
+        # consolidated masters (transformers' own tie removal and conversion, not ours).
+        result["hub_differ"] = _differ(got, _reference_hub(type(model), engine, full))
         plain = type(model)(engine.module.config)
         if kind == "gpt2":  # the hub layout is the module's: load it straight back
             missing, unexpected = plain.load_state_dict(got, strict=False)
@@ -177,6 +180,18 @@ def _reference_names(model_class: Any, engine: Any) -> list[str]:
     plain = model_class(config)
     state = remove_tied_weights_from_state_dict(plain.state_dict(), plain)
     return list(revert_weight_conversion(plain, state))
+
+
+def _reference_hub(model_class: Any, engine: zs.ZeroEngine,
+                   full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors plain save_pretrained writes for a plain model holding ``full``."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    plain = model_class(engine.module.config)
+    plain.load_state_dict(full)
+    state = remove_tied_weights_from_state_dict(plain.state_dict(), plain)
+    return {k: v.detach().clone() for k, v in revert_weight_conversion(plain, state).items()}
 
 
 register("iter_gpt2_stage3_rank0", hub_weights, stage=3, kind="gpt2", bucket_bytes=6000,

@@ -15,8 +15,8 @@ rank's peak is then its shards plus one piece, not a second copy of them.
 
 Nothing here knows transformers: how a folder's keys find the model's (the base-model prefix,
 renamed legacy keys, keys never reported) comes in a ``KeyMap``, which
-``integrations/pretrained.py`` builds from the model class. A model that one built on the meta
-device is registered here (``register``); the engine loads a registered model's folder when
+``integrations/hf/pretrained.py`` builds from the model class. A model that one built on the
+meta device is registered here (``register``); the engine loads a registered model's folder when
 it is built on it (``pending`` / ``load_pending``).
 """
 

@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,6 +55,17 @@ CLIENT_FILE = "client_state.pt"
 
 def shard_file(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
+
+
+_SHARD_FILE = re.compile(r"shard-(\d{5})\.safetensors")
+
+
+def shard_of(name: str) -> int | None:
+    """The shard index of a file name ``shard_file`` gives, None for every other name. Shard k
+    is written by rank k of the world that saved (under hybrid sharding the first shard
+    group's ranks are 0 .. k), every other file of a tag by rank 0."""
+    match = _SHARD_FILE.fullmatch(name)
+    return int(match.group(1)) if match else None
 
 
 def tmp_name(tag: str) -> str:

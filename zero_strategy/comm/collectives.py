@@ -57,9 +57,11 @@ class CollectiveTimeout(CollectiveError):
 
 
 _INSTANCES: Counter[tuple[int, ...]] = Counter()
-_SIDE_GROUPS: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
-"""Side channels (``Communicator.side_channel``) by (the default group, ranks): made once per
-process group, however many engines are built on it."""
+_SIDE_GROUPS: dict[tuple[int, ...], tuple[Any, dist.ProcessGroup]] = {}
+"""Side channels (``Communicator.side_channel``) by ranks, with the default group they were
+made under: reused while that group is the default (however many engines are built on it),
+made anew under a new one (a Hydra sweep's next job: the old group is destroyed, and a new
+one may even reuse its address, so the object itself is held and compared)."""
 """Communicators built so far in this process, by their ranks."""
 
 _KEPT_WORKS: deque[Any] = deque(maxlen=8)
@@ -88,6 +90,14 @@ broadcasts and all-to-alls, whose tensors are units' buffers (a kept reference w
 an escaped view of a gathered buffer, ``ParamStore.aliases``) or large; under gloo on the
 host all-gathers and reduce-scatters are sends and receives, which run on no worker thread. A
 barrier holds no tensors: freeing it takes no GIL."""
+
+_ORPHANED_WORKS: list[Any] = []
+"""Sends and receives never waited for whose group was destroyed (``_Exchange.__del__``):
+held to the end of the process, never freed."""
+try:  # never freed, not even at interpreter exit
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_ORPHANED_WORKS))
+except AttributeError:
+    pass
 
 _KEPT_BYTES = 1 << 20
 """The most tensor bytes a kept work may hold (see ``_KEPT_WORKS``)."""
@@ -170,6 +180,13 @@ def init_restartable_group(backend: str, timeout: float) -> bool:
     dist.init_process_group(backend, store=attempt, rank=int(env["RANK"]), world_size=world,
                             timeout=wait)
     return True
+
+
+def world_barrier() -> None:
+    """Every process of the default group reaches this point before any goes on (nothing
+    without a group)."""
+    if group_is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
 
 
 def destroy_default_group() -> None:
@@ -264,6 +281,15 @@ class _Exchange:
 
     def ready(self) -> bool:
         return all(_completed(w) for w, _ in self.works)
+
+    def __del__(self) -> None:
+        # Never waited for, and the group destroyed since (a script that ends on step() and
+        # destroy_process_group(): the post-step gathers are still pending): destroying a
+        # send or receive of a destroyed gloo group aborts the process at exit (seen 2 runs
+        # in 6 of bench/routed_memory.py). Kept instead, never freed: the process is ending.
+        if self.works and not dist.is_initialized():
+            _ORPHANED_WORKS.extend(self.works)
+            self.works = []
 
 
 class _Then:
@@ -453,11 +479,13 @@ class Communicator:
         behind this group's bulk transfers: a few bytes sent on a connection that carries
         megabytes of gathered rows arrive only after them. Every rank calls it, in one
         order (engines are built on every rank alike)."""
-        key = (id(dist.distributed_c10d._get_default_group()), tuple(self._peers))
-        group = _SIDE_GROUPS.get(key)
-        if group is None:
+        default = dist.distributed_c10d._get_default_group()
+        made = _SIDE_GROUPS.get(tuple(self._peers))
+        if made is not None and made[0] is default:
+            group = made[1]
+        else:
             group = self._subgroup([list(range(self.world_size))])
-            _SIDE_GROUPS[key] = group
+            _SIDE_GROUPS[tuple(self._peers)] = (default, group)
         side = Communicator(group, timeout=self.timeout_s, step=self._step)
         side.use_device(self.device)
         side.bytes_sent = self.bytes_sent  # the same ranks' traffic: counted as theirs
@@ -469,9 +497,11 @@ class Communicator:
         work reports it only once waited for), so a caller can read it without blocking."""
         self._check("all_gather", flat_output, shard)
         self._count("all_gather", flat_output.nbytes * self._fraction())
+        # Not kept past its use (``_queued``): its caller waits for it long before a script
+        # ends, and a kept one was seen to keep a step's saved activation (an offloaded
+        # input's open file) alive after the step (tests/quick/test_step_faults.py).
         with self._starting("all_gather"):
-            work = self._queued(_all_gather(flat_output, shard, group=self.group,
-                                            async_op=True), flat_output, shard)
+            work = _all_gather(flat_output, shard, group=self.group, async_op=True)
         return _Pending(self, work, "all_gather")
 
     def global_ranks(self) -> list[int]:
@@ -482,6 +512,14 @@ class Communicator:
         """Where receive buffers of the direct exchanges come from and go back to (the
         engine's buffer pool); without, they are allocated per call."""
         self._scratch = (take, give)
+
+    @property
+    def reduce_scatter_scratch_slices(self) -> int:
+        """Output-sized receive buffers one ``reduce_scatter`` holds while in flight: the
+        direct exchange receives every peer's slice at once, the first into the output and
+        the other N - 2 into scratch (the memory bound counts them); a backend's own
+        collective keeps its buffers outside the process's tensors."""
+        return max(self.world_size - 2, 0) if self._direct else 0
 
     @property
     def _direct(self) -> bool:
@@ -863,11 +901,15 @@ class Communicator:
                 t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
-    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
-        """Every rank's ``values`` (a blocking round trip of 8 bytes per value and rank)."""
+    def all_gather_ints(self, values: list[int], counted: bool = True) -> list[list[int]]:
+        """Every rank's ``values`` (a blocking round trip of 8 bytes per value and rank).
+        ``counted=False``: left out of ``bytes_sent`` (metadata outside ZeRO's traffic)."""
         mine = torch.tensor(values, dtype=torch.int64, device=self.device)
         out = torch.empty(self.world_size * len(values), dtype=torch.int64, device=self.device)
+        before = self.bytes_sent["all_gather"]
         self.all_gather(out, mine, async_op=True).wait(host=True)
+        if not counted:
+            self.bytes_sent["all_gather"] = before
         return out.view(self.world_size, -1).tolist()
 
     def all_gather_object(self, obj: object) -> list[object]:

@@ -64,6 +64,12 @@ def _row_norms(rows: torch.Tensor, norm_type: float) -> torch.Tensor:
     return torch.linalg.vector_norm(rows, norm_type, dim=1, dtype=torch.float32) ** norm_type
 
 
+def adopts_autograd_gradient(layout: FlatLayout) -> bool:
+    """Whether a stage 2-3 unit can take autograd's gradient as its full-size buffer instead
+    of adding it into pool memory: one parameter, no padding (the memory bound reads this)."""
+    return len(layout.slots) == 1 and layout.numel == layout.padded_numel
+
+
 def max_abs(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """``max |g|`` of each non-empty tensor of ``grads``, in its dtype: inf or NaN exactly
     where it holds one (the non-finite check and the inf-norm both read it). One
@@ -285,7 +291,7 @@ class ShardedGrads(GradStore):
         self.local: torch.Tensor | None = None
         self._adopted = False
         """Whether ``local`` is a gradient autograd produced (not pool memory)."""
-        self._adoptable = len(layout.slots) == 1 and layout.numel == layout.padded_numel
+        self._adoptable = adopts_autograd_gradient(layout)
 
     @property  # type: ignore[override]
     def grad_shard(self) -> torch.Tensor:

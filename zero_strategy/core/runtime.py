@@ -392,8 +392,8 @@ class Runtime(StateMachine):
     # ---------------------------------------------------------------- forward
     def follow_trainability(self, agree: bool) -> None:
         """Which parameters require grad now. ``agree`` (a backward, which every rank runs):
-        checked against every rank whenever it changed (one exchange through the rendezvous
-        store then, none otherwise), since ``Unit.trains`` decides which units are reduced
+        checked against every rank whenever it changed (one small uncounted all-gather then,
+        none otherwise), since ``Unit.trains`` decides which units are reduced
         and ranks that reduced different units would wait for each other forever. A forward
         does not agree: a forward may run on one rank alone (a sample logged by rank 0 at
         stages 0-2)."""
@@ -409,10 +409,12 @@ class Runtime(StateMachine):
     def _agree_trainability(self, flags: tuple[bool, ...]) -> None:
         if self.world.world_size == 1:
             return
-        # Through the store, not the group: metadata, so a step's collective bytes stay the
-        # same in the step where trainability changed (ZeRO's traffic formula per step).
+        # Not counted: metadata, so a step's collective bytes stay the same in the step where
+        # trainability changed (ZeRO's traffic formula per step). Not through the store
+        # either: its keys are numbered per process, and a process that lives on (a Hydra
+        # sweep's rank 0) numbers them unlike its job's new peers.
         mine = zlib.crc32(bytes(flags)) | len(flags) << 32
-        if len(set(self.world.agree(mine))) == 1:
+        if len({t[0] for t in self.world.all_gather_ints([mine], counted=False)}) == 1:
             return
         names = [slot.name for unit in self.units for slot in unit.layout.slots]
         every = self.world.all_gather_object(flags)

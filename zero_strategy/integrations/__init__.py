@@ -1,7 +1,8 @@
-"""Adapters of the engine to Lightning's Trainer, Fabric and Accelerate, each thin over
-``ZeroEngine``; what they share is in ``shared.py`` (presets, config and precision merging,
-checkpoint helpers), ``hydra_launch.py`` and ``step_turns.py``. Each framework is an optional
-extra; ``require`` names the extra to install when one is missing."""
+"""Adapters of the engine to Lightning's Trainer, Fabric and Accelerate, each routing its
+framework's calls to ``ZeroEngine`` and holding no sharding logic; what they share is in
+``shared.py`` (presets, config and precision merging, checkpoint helpers), ``hydra_launch.py``
+and ``step_turns.py``. Each framework is an optional extra; ``require`` names the extra to
+install when one is missing."""
 
 from __future__ import annotations
 

@@ -34,6 +34,7 @@ from .shared import (
     PRESET_DESCRIPTIONS,
     PRESETS,
     EngineModule,
+    WorldDevice,
     backward_kwargs,
     build_config,
     framework_precision_name,
@@ -83,7 +84,7 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
         return module.engine.no_sync()
 
 
-class ZeroFabricStrategy(DDPStrategy):
+class ZeroFabricStrategy(WorldDevice, DDPStrategy):
     """``Fabric(strategy="zero3")``: one ``ZeroEngine`` per ``fabric.setup(model, optimizer)``
     (or ``fabric.setup(model, opt1, opt2, ...)``: one engine over all of them).
 

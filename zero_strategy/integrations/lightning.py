@@ -59,6 +59,7 @@ from .shared import (
     PRESET_DESCRIPTIONS,
     PRESETS,
     EngineModule,
+    WorldDevice,
     backward_kwargs,
     build_config,
     decode_state,
@@ -221,7 +222,7 @@ class _ZeroLauncher(HydraJobLauncherMixin, _SubprocessScriptLauncher):
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
-class ZeroStrategy(DDPStrategy):
+class ZeroStrategy(WorldDevice, DDPStrategy):
     """ZeRO stages 0-3 with optional CPU offload and mixed precision, through ``ZeroEngine``.
 
     Args:

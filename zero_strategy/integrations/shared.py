@@ -132,6 +132,50 @@ def generic_precision_name(plugin: Any, generic: tuple[type, ...], owner: str) -
     return str(plugin.precision)
 
 
+# ---------------------------------------------------------------------- processes and devices
+def process_device(devices: list[torch.device] | None, local_rank: int) -> torch.device:
+    """This process's device, for a Lightning or Fabric strategy.
+
+    DDP takes ``devices[local_rank]``: a launcher that starts a node's processes for Lightning
+    (torchrun, SLURM, Lightning's own) leaves one device per local rank in the list. A launcher
+    that places each worker on its device itself and numbers local ranks across a node's
+    workers (Ray Train, whose ``RayLightningEnvironment`` reports them) leaves fewer: the
+    worker sees only its own device (``devices="auto"`` on a CPU is one), and the launcher has
+    made it the current CUDA device before the training function runs. That device, then."""
+    assert devices is not None, "the strategy's devices are set by the Trainer or Fabric"
+    if local_rank < len(devices):
+        return devices[local_rank]
+    kind = devices[0].type
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
+def sampler_kwargs(world_size: int, global_rank: int) -> dict[str, Any]:
+    """``DistributedSampler``'s arguments: one replica per process of the world. DDP counts
+    ``num_nodes * num_processes`` (its device list), which under a launcher that gives each
+    worker one device (Ray Train) is 1 per node and would hand every worker all the data."""
+    return {"num_replicas": world_size, "rank": global_rank}
+
+
+class WorldDevice:
+    """Mixed into the Lightning and the Fabric strategy ahead of DDP's: the device and the
+    sampler's replicas taken from the world (``process_device``, ``sampler_kwargs``)."""
+
+    parallel_devices: list[torch.device] | None
+    local_rank: int
+    world_size: int
+    global_rank: int
+
+    @property
+    def root_device(self) -> torch.device:
+        return process_device(self.parallel_devices, self.local_rank)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return sampler_kwargs(self.world_size, self.global_rank)
+
+
 # ---------------------------------------------------------------------- engine helpers
 _FORWARD_COUNTER = itertools.count(1)
 

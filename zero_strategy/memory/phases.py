@@ -18,13 +18,21 @@ the precision's dtypes, the optimizer's states per parameter), not fitted to a m
 - **forward**: the gathered units in flight (the unit running, every unit of a module
   around it: the root unit, held from its forward to the end of backward, among them; and
   the ``prefetch_units`` prefetched), plus the activations.
-- **backward**: the same, plus the gradient buffers: a unit's full-size local gradient for
-  each reduction in flight (``MAX_INFLIGHT_REDUCTIONS``) and the one accumulating, a reduced
-  slice of a second pass, and the reduced shards, born here: those of every unit holding a
-  trainable parameter (a unit's shard covers its frozen parameters too), in the master's
-  dtype as well where that differs from the reduction's. A routed block (``core/routed.py``)
-  is reduced once its module's backward ends, whatever experts idle on the rank did not
-  send (``Runtime._post_backward``); the first trainable one can have an input that needs no
+- **backward**: the same, plus the gradient buffers: an inner unit's full-size local
+  gradient for each reduction in flight (``MAX_INFLIGHT_REDUCTIONS``) and the one
+  accumulating, a reduced slice of a second pass, the receive scratch of each reduction in
+  flight (host tensors under gloo: N - 2 slices,
+  ``Communicator.reduce_scatter_scratch_slices``; none on two ranks, which is why a 3-rank
+  MoE backward once measured 57 MiB over a bound without it), the full-size gradient of
+  every trainable unit whose module encloses other units (its parameters' gradients arrive
+  throughout the backward of what it encloses, so it is reduced only at its end: Qwen3-MoE's
+  ``model`` unit, every layer's attention and router), the gradient autograd makes of one
+  parameter before the hook adds it into the unit's buffer (the largest trainable
+  parameter), and the reduced shards, born here: those of every unit holding a trainable
+  parameter (a unit's shard covers its frozen parameters too), in the master's dtype as well
+  where that differs from the reduction's. A routed block (``core/routed.py``) is reduced
+  once its module's backward ends, whatever experts idle on the rank did not send
+  (``Runtime._post_backward``); the first trainable one can have an input that needs no
   gradient (nothing before it trains), and with an expert idle it is reduced only at the end
   of backward: its full-size gradient, held beside the window (``routed_held``).
 - **step**: the optimizer's states for the trainable elements of this rank's shard (and the
@@ -46,6 +54,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..checkpoint.export import DEFAULT_BUCKET_BYTES
+from ..core.grads import adopts_autograd_gradient
 from ..core.routed import routed_blocks
 from ..core.runtime import MAX_INFLIGHT_REDUCTIONS
 
@@ -140,9 +149,21 @@ def phase_bounds(engine: EngineView, *, activation_bytes: int, loaded_whole: boo
     terms["gathered"] = _gathered(engine, p)
     terms["activations"] = activation_bytes
     trainable = [u for u in units if any(q.requires_grad for q in u.params)]
-    widest = max((u.layout.padded_numel for u in trainable), default=0)
+    # A unit enclosing others holds its gradient through their backward (below), outside
+    # the window of inner units reduced one after another.
+    enclosing = [u for u in trainable if any(_encloses(u, v) for v in units if v is not u)]
+    widest = max((u.layout.padded_numel for u in trainable if u not in enclosing), default=0)
     slice_ = max((u.layout.shard_numel for u in trainable), default=0)
     terms["gradient_buffers"] = ((MAX_INFLIGHT_REDUCTIONS + 1) * widest + slice_) * g
+    terms["reduce_scratch"] = ((MAX_INFLIGHT_REDUCTIONS + 1)
+                               * engine.shards.reduce_scatter_scratch_slices * slice_ * g)
+    terms["enclosing_gradients"] = sum(u.layout.padded_numel for u in enclosing) * g
+    # A unit of one unpadded parameter adopts autograd's gradient as its buffer
+    # (``ShardedGrads.accumulate``); any other adds it in, both alive for that moment.
+    adds_in = [u for u in trainable if not adopts_autograd_gradient(u.layout)]
+    terms["autograd_gradient"] = max((s.numel for u in adds_in
+                                      for s, q in zip(u.layout.slots, u.params)
+                                      if q.requires_grad), default=0) * g
     routed = routed_blocks(engine.module)
     terms["routed_held"] = max((u.layout.padded_numel for u in trainable
                                 if u.module is not None and id(u.module) in routed),
@@ -163,7 +184,9 @@ def phase_bounds(engine: EngineView, *, activation_bytes: int, loaded_whole: boo
     load = (t["params_at_rest"] + t["masters_at_rest"] + t["full_gradients"] + t["unmanaged"]
             + t["loader_window"] + t.get("whole_model", 0))
     forward = t["gathered"] + t["activations"]
-    backward = forward + t["gradient_buffers"] + t["routed_held"] + t["gradient_shards"]
+    backward = (forward + t["gradient_buffers"] + t["reduce_scratch"]
+                + t["enclosing_gradients"] + t["autograd_gradient"] + t["routed_held"]
+                + t["gradient_shards"])
     step = t["optimizer_states"] + t["step_scratch"]
     return PhaseBounds(load=load + SLACK_BYTES, forward=forward + SLACK_BYTES,
                        backward=backward + SLACK_BYTES, step=step + SLACK_BYTES,
@@ -199,10 +222,7 @@ def _gathered(engine: EngineView, p: int) -> int:
     if not gathering:
         return 0
 
-    def encloses(outer: Unit, inner: Unit) -> bool:
-        return outer.name == "" or inner.name.startswith(outer.name + ".")
-
-    chains = [sum(v.layout.padded_numel for v in gathering if v is u or encloses(v, u))
+    chains = [sum(v.layout.padded_numel for v in gathering if v is u or _encloses(v, u))
               for u in gathering]
     ahead = (engine.config.resolved("prefetch_units") or 0) if engine.config.resolved(
         "prefetch") else 0
@@ -210,3 +230,8 @@ def _gathered(engine: EngineView, p: int) -> int:
     prefetched = sum(sorted((u.layout.padded_numel for u in gathering if u.name),
                             reverse=True)[:ahead])
     return (max(chains) + prefetched) * p
+
+
+def _encloses(outer: Unit, inner: Unit) -> bool:
+    """``outer``'s module contains ``inner``'s (the root unit's contains every other)."""
+    return outer.name == "" or inner.name.startswith(outer.name + ".")

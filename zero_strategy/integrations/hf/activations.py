@@ -15,8 +15,8 @@ import functools
 
 from torch import nn
 
+from ... import compat
 from ...core.layer_kinds import CheckpointFunction, Undo, register_layer_kind
-from . import compat
 
 SWITCH = "gradient_checkpointing"
 """The public flag of transformers' layers and models (``model.gradient_checkpointing_enable``

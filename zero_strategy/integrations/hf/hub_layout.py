@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ... import compat
 from ...checkpoint.export import Group, Output
-from . import compat
 
 
 class _Traced(torch.Tensor):

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ... import compat
 from ...checkpoint.errors import CheckpointError
 from ...checkpoint.pretrained import (
     KeyMap,
@@ -43,7 +44,6 @@ from ...checkpoint.pretrained import (
 from ...comm.collectives import default_device, group_backend
 from ...core.materialize import meta_init, set_module_init
 from .. import require
-from . import compat
 from .conversions import planner
 
 _HUB = "downloading from the Hub: pass a local folder (huggingface_hub.snapshot_download)"

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 from transformers import Trainer
 
+from ... import compat
 from ...checkpoint.verify import member
 from ...comm import collectives
 from ..accelerate import (
@@ -52,7 +53,7 @@ from ..accelerate import (
     ZeroPlugin,
     has_accelerator_device,
 )
-from . import compat, export, trl
+from . import export, trl
 
 TRAINING_ARGS_FILE = "training_args.bin"
 """Trainer's name for the pickled ``TrainingArguments`` beside a saved model."""
