@@ -231,19 +231,23 @@ class ScatteredFullGrads(GradStore):
         self._bounds = layout.shard_bounds(rank)
         self.grad_shard = self.buffer[self._bounds[0] : self._bounds[1]]
         self._holds_average = False
-        self._world_size = 1
+        self._group_size = 1
 
     def accumulate(self, index: int, grad: torch.Tensor) -> None:
         if self._holds_average:
-            self.grad_shard.mul_(self._world_size)
+            # Back to what the next reduction must add: it divides by every rank and sums
+            # over the shard group's ranks (the others hold zeros here) and over replicas,
+            # each holding this same average, so the group's size, not the world's (times
+            # the world's, hybrid sharding counted the first pass once per replica).
+            self.grad_shard.mul_(self._group_size)
             self._holds_average = False
         self._local_view(self.buffer, index).add_(grad)
 
     def launch_reduce(self, comm: Communicator) -> None:
         # Not straight into ``grad_shard``: it is a slice of the input being reduced.
         out = self.pool.take(self.grad_shard.numel(), self.dtype)
-        self._world_size = self._ranks(comm)  # what the average is taken over
-        self.buffer.div_(self._world_size)
+        self._group_size = comm.world_size
+        self.buffer.div_(self._ranks(comm))  # what the average is taken over
         self._pending = (self._reduce_scatter(comm, out, self.buffer), out)
 
     def finish_reduce(self) -> None:
