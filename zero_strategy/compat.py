@@ -80,6 +80,12 @@ class NotTheirs:
 
 
 # ---------------------------------------------------------------- torch
+STORAGE_SWAP = Attribute(
+    owner="torch:UntypedStorage", name="_swap_data_ptr_", since="2.12.0",
+    why="core/storage.py: the buffer pool lends memory to a stage-3 unit without replacing "
+        "the storage autograd's saved tensors alias (host memory); torch 2.9-2.11 lack it, "
+        "and there the pool resizes the unit's storage, as it does on a GPU")
+
 TORCH = (
     Module(owner="torch.utils", name="_pytree", uses=("tree_flatten", "tree_unflatten",
                                                        "tree_map"),
@@ -95,9 +101,7 @@ TORCH = (
     Attribute(owner="torch._C", name="_storage_Use_Count",
               why="core/storage.py: how many tensors share a storage (optional: the check it "
                   "serves is skipped on a torch without it)"),
-    Attribute(owner="torch:UntypedStorage", name="_swap_data_ptr_",
-              why="core/storage.py: the buffer pool lends memory to a stage-3 unit without "
-                  "replacing the storage autograd's saved tensors alias (host memory)"),
+    STORAGE_SWAP,
     Attribute(owner="torch:UntypedStorage", name="_cdata",
               why="core/storage.py: the storage handle _storage_Use_Count takes"),
     Attribute(owner="torch:Tensor", name="_base",

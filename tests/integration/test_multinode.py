@@ -348,7 +348,10 @@ def test_node_local_keys_are_neither_compared_nor_in_job_directory_names() -> No
 
     overrides = ["trainer.num_nodes=2", "trainer.rdzv_endpoint=node0:29400"]
     naming = _compose(overrides, hydra=True).hydra.job.config.override_dirname
-    assert set(naming.exclude_keys) == {*NODE_LOCAL, "trainer.rdzv_endpoint"}
+    # and where the Ray launcher finds or starts its cluster: the same job wherever it runs
+    ray_placement = {f"launcher.{k}" for k in ("address", "temp_dir", "num_cpus",
+                                               "object_store_mb", "storage_path")}
+    assert set(naming.exclude_keys) == {*NODE_LOCAL, "trainer.rdzv_endpoint", *ray_placement}
     mine = flat_config(_compose(overrides))
     assert not set(NODE_LOCAL) & set(mine) and mine["trainer.num_nodes"] == 2
     other = {**mine, "optim.lr": 0.5, "model.size": "base"}

@@ -31,6 +31,16 @@ SUBMITIT = ["hydra/launcher=submitit_slurm", "hydra.launcher.partition=debug",
             "hydra.launcher.cpus_per_task=2", "hydra.launcher.timeout_min=20"]
 
 
+@pytest.fixture(autouse=True)
+def _empty_queue(request: pytest.FixtureRequest):
+    """Each test starts on an empty queue: a job a previous test left behind (a sweep job
+    still completing, a requeued task) would hold the host's two CPUs, and the next test's
+    srun would wait for them until its timeout (seen once in CI: 600 s)."""
+    if "cluster" in request.fixturenames:
+        slurm.cancel_all(request.getfixturevalue("cluster"))
+    yield
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     reason = slurm.why_not()
@@ -77,8 +87,13 @@ def _srun(cluster: slurm.Cluster, out: Path, strategy: str) -> list[dict]:
     command = ["srun", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
                f"--job-name=zs-{strategy}", "--kill-on-bad-exit=1", "--time=10",
                sys.executable, "-m", "tests.worlds.multinode_lightning", str(out), strategy, "1"]
-    done = subprocess.run(command, cwd=ROOT, env=environment(cluster.env),
-                          capture_output=True, text=True, timeout=600)
+    try:
+        done = subprocess.run(command, cwd=ROOT, env=environment(cluster.env),
+                              capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as e:  # say what the queue held: waiting, or hung
+        raise AssertionError(f"srun ({strategy}) did not end in 600 s; the queue:\n"
+                             + cluster.run("squeue", "-a", "-o", "%i %j %T %M %R")
+                             + cluster.logs()) from e
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:] + cluster.logs()
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 

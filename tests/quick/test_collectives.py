@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.support.harness import check, run_world
+from tests.support.releases import needs_swap
 from zero_strategy.core import buffers
 from zero_strategy.core.buffers import BufferPool
 from zero_strategy.core.runtime import MAX_INFLIGHT_REDUCTIONS
@@ -65,6 +66,30 @@ def test_a_retained_gradient_is_not_divided_in_place(world: tuple[int, dict]) ->
         assert r["equal"]
 
 
+def test_pool_lends_by_resizing_where_it_cannot_swap() -> None:
+    """Device memory, and host memory on a torch without the storage swap (2.9-2.11): the
+    unit's own storage is resized, so the views into it and tensors autograd saved (which
+    share the storage object) read what is written after the lend."""
+    pool = BufferPool(torch.device("cpu"))
+    pool._swaps = False  # the path a GPU takes, on the CPU
+    full = pool.take(6, torch.float32)
+    views = [full[:2].view(1, 2), full[2:]]
+    w = torch.ones(2, requires_grad=True)
+    loss = (views[0].flatten() * w).sum()  # saves the view for w's gradient
+    storage = full.untyped_storage()
+    pool.reclaim(storage)
+    assert storage.nbytes() == 0 and pool.held_bytes() == 0  # back to the allocator
+    pool.lend(storage, 24)
+    assert storage.nbytes() == 24 and pool.held_bytes() == 0
+    # Written as a gather writes it: through another tensor over the storage (the views'
+    # version counter stays, as autograd's check of the saved view needs).
+    torch.empty(0).set_(storage, 0, (6,)).copy_(torch.arange(6.0))
+    assert views[0].tolist() == [[0.0, 1.0]] and views[1].tolist() == [2.0, 3.0, 4.0, 5.0]
+    loss.backward()
+    assert w.grad.tolist() == [0.0, 1.0]
+
+
+@needs_swap
 def test_pool_lends_into_a_storage_and_takes_the_memory_back() -> None:
     pool = BufferPool(torch.device("cpu"))
     full = pool.take(6, torch.float32)
@@ -109,7 +134,7 @@ class _LateKernels:
         self.wait(self.launched)
 
 
-@pytest.mark.parametrize("back", ["give", "reclaim"])
+@pytest.mark.parametrize("back", ["give", pytest.param("reclaim", marks=needs_swap)])
 def test_a_reused_device_block_waits_for_its_last_users_work(
         back: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A reduced gradient still being added into the shard by a late kernel when its block
@@ -314,3 +339,15 @@ def test_an_exchange_left_pending_past_its_group_is_never_destroyed() -> None:
     del kept
     gc.collect()
     assert alive() is None
+
+
+def test_a_failed_collective_names_the_rank_it_exchanged_with(world: tuple[int, dict]) -> None:
+    n, results = world
+    for rank, r in enumerate(check(results["errors_name_the_peer"])):
+        assert f"exchanging with rank {(rank + 1) % n}" in r["direct"], r
+        if n == 2:
+            assert f"exchanging with rank {1 - rank}" in r["backend"], r
+        else:
+            assert "exchanging" not in r["backend"], r
+        if rank != 0:
+            assert "rank 0 failed: InjectedFault in forward" in r["side"], r

@@ -10,17 +10,23 @@ import sys
 
 import torch
 
+from tests.support.releases import HAS_SWAP_RELEASE, SWAP_SINCE, needs_swap
 from zero_strategy.core import storage
 
 
 def test_the_pool_swaps_host_memory_and_resizes_device_memory() -> None:
-    assert storage.swaps_memory(torch.device("cpu")), (
-        "this torch has no UntypedStorage._swap_data_ptr_: the buffer pool falls back to "
-        "resize_ on host memory; check the pool's memory figures before accepting it")
+    """From the release compat.STORAGE_SWAP names on, host memory must be swapped: a torch
+    that drops the swap fails here. Before it, the pool resizes, as on a GPU."""
+    assert storage.swaps_memory(torch.device("cpu")) is HAS_SWAP_RELEASE, (
+        f"torch {torch.__version__}: UntypedStorage._swap_data_ptr_ present: "
+        f"{hasattr(torch.UntypedStorage, '_swap_data_ptr_')}, expected from {SWAP_SINCE} on; "
+        "without it the buffer pool falls back to resize_ on host memory: check the pool's "
+        "memory figures before accepting that, then move compat.STORAGE_SWAP.since")
     assert not storage.swaps_memory(torch.device("cuda", 0))
     assert not storage.swaps_memory(torch.device("meta"))
 
 
+@needs_swap
 def test_swap_moves_memory_between_storage_objects_that_stay_themselves() -> None:
     unit = torch.arange(6, dtype=torch.float32)
     view = unit[2:4]  # as a parameter views its unit's flat buffer
@@ -34,6 +40,7 @@ def test_swap_moves_memory_between_storage_objects_that_stay_themselves() -> Non
     assert unit.untyped_storage().nbytes() == 0 and empty.nbytes() == 24
 
 
+@needs_swap
 def test_a_tensor_autograd_saved_reads_the_memory_swapped_in() -> None:
     """Stage 3 re-gathers into the storage a forward's saved tensors alias: backward must
     see the new memory through them."""

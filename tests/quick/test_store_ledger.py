@@ -63,6 +63,25 @@ def test_a_report_is_left_read_and_cleared_through_a_live_store() -> None:
     assert peer.reported() == ""
 
 
+def test_a_report_a_moment_late_is_waited_for_only_when_asked() -> None:
+    """After a timeout the rank waits (``wait_s``) for the peer whose failure caused it: a
+    report left 0.3 s later is in the message; without waiting it is not; with no report at
+    all the wait ends at its bound."""
+    shared = dist.HashStore()
+    mine, peer = (Ledger(lambda: shared, "p", rank=r, world_size=2) for r in (0, 1))
+    late = threading.Timer(0.3, lambda: mine.report("InjectedFault in backward"))
+    late.start()
+    try:
+        assert peer.reported() == ""
+        assert peer.reported(wait_s=5.0) == "; rank 0 failed: InjectedFault in backward"
+    finally:
+        late.join()
+    mine.clear()
+    start = time.monotonic()
+    assert peer.reported(wait_s=0.5) == ""
+    assert 0.5 <= time.monotonic() - start < 3.0
+
+
 def test_a_silent_store_is_waited_for_a_bounded_time(short_bound: float) -> None:
     silent = Silent()
     ledger = Ledger(lambda: silent, "p", rank=0, world_size=2)

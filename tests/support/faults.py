@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -202,7 +203,8 @@ def assert_activation_fault_recovered(r: dict[str, Any], module: str, nbytes: in
     assert r["errno"] == errno.ENOSPC
     message = r["message"]
     # the folder, what was being written, the bytes, and what to do
-    assert "offload_dir='/tmp/zs-stepfault-" in message, message
+    # the folder is under the world's own TMPDIR (tests/support/harness.py)
+    assert re.search(r"offload_dir='[^']*/zs-stepfault-", message), message
     assert f"activation input of module {module!r}" in message, message
     assert f"{nbytes} bytes needed" in message and "engine.zero_grad()" in message, message
     assert r["refused"] >= 1
@@ -220,7 +222,7 @@ def assert_tier_fault_handled(r: dict[str, Any]) -> None:
     until the checkpoint was loaded; the next steps the reference's either way."""
     assert r["calls_in_a_step"] > 0
     assert r["raised"] == "DiskFullError" and r["is_disk_full"] and r["errno"] == errno.ENOSPC, r
-    assert "offload_dir='/tmp/zs-tierfault-" in r["message"], r["message"]
+    assert re.search(r"offload_dir='[^']*/zs-tierfault-", r["message"]), r["message"]
     assert "could not write back" in r["message"] and " bytes)" in r["message"], r["message"]
     if r["refused"] is not None:  # an optimizer step cut short: reload, never train on
         assert "reload the last checkpoint" in r["refused"], r["refused"]

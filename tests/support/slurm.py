@@ -125,6 +125,19 @@ def start(directory: Path, timeout: float = 60.0) -> Cluster:
     return cluster
 
 
+def cancel_all(cluster: Cluster, timeout: float = 60.0) -> None:
+    """Cancel every job and wait until the queue is empty."""
+    env = {**os.environ, **cluster.env}
+    subprocess.run(["scancel", "--full", "--user=root"], env=env, capture_output=True,
+                   timeout=30)
+    deadline = time.monotonic() + timeout
+    while cluster.run("squeue", "-h", "-o", "%i").strip():
+        if time.monotonic() > deadline:
+            raise RuntimeError("jobs cancelled a minute ago are still in the queue:\n"
+                               + cluster.run("squeue", "-a") + cluster.logs())
+        time.sleep(0.5)
+
+
 def stop(cluster: Cluster) -> None:
     """Cancel every job, then stop slurmd, slurmctld and munged (SIGTERM, then SIGKILL)."""
     subprocess.run(["scancel", "--full", "--user=root"], env={**os.environ, **cluster.env},

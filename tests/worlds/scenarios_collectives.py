@@ -279,3 +279,24 @@ def int8_training_tracks_fp32() -> dict[str, Any]:
     q8, q8_info = _gpt2_stage3(zs.ZeroConfig(**common, quantize_weights="int8",
                                              quantize_gradients="int8"), 30)
     return {"plain": plain, "q8": q8, "plain_info": plain_info, "q8_info": q8_info}
+
+
+@scenario
+def errors_name_the_peer() -> dict[str, Any]:
+    """What a failed collective says about the rank it was exchanging with: a direct
+    exchange names its peer; a collective of the backend names the other rank on two ranks
+    (the only one it exchanges with), and none on more."""
+    comm = Communicator()
+    cause = RuntimeError("Connection closed by peer")
+    # A failure rank 0 reported is read by an error on the side channel too (the gather
+    # headers travel there, and often time out first when a peer failed).
+    side = comm.side_channel()
+    if comm.rank == 0:
+        comm.ledger.report("InjectedFault in forward")
+    dist.barrier()
+    on_side = str(side._error("all_gather", TimeoutError("timed out")))
+    dist.barrier()
+    comm.ledger.clear()
+    return {"backend": str(comm._error("all_gather", cause)),
+            "direct": str(comm._error("reduce_scatter", cause, (comm.rank + 1) % comm.world_size)),
+            "side": on_side}

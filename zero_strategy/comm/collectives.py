@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from . import int8
-from .store import Ledger, StoreSilent
+from .store import REPORT_WAIT_S, Ledger, StoreSilent
 
 # torch 2.13 renamed the flat collectives; older releases (>= 2.4) only have the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -417,8 +417,13 @@ class Communicator:
         """The failed pass is over on this rank (``zero_grad()``): its report goes."""
         self.ledger.clear()
 
-    def _reported_failures(self) -> str:
-        return self.ledger.reported()
+    def _report_wait(self) -> float:
+        """After a timeout, how long to wait for a peer's report: ``REPORT_WAIT_S``, and
+        never longer than the timeout itself (a short timeout stays short)."""
+        return min(REPORT_WAIT_S, self.timeout_s or REPORT_WAIT_S)
+
+    def _reported_failures(self, wait_s: float = 0.0) -> str:
+        return self.ledger.reported(wait_s)
 
     def agree_max(self, value: int) -> int:
         """The largest ``value`` over this group's ranks, agreed through the rendezvous store
@@ -489,6 +494,10 @@ class Communicator:
         side = Communicator(group, timeout=self.timeout_s, step=self._step)
         side.use_device(self.device)
         side.bytes_sent = self.bytes_sent  # the same ranks' traffic: counted as theirs
+        # and the same ranks' failures: a peer reports into this communicator's keys, which
+        # an error on the side channel (the gather headers, often the first to time out
+        # when a peer failed) must read to name the cause
+        side.ledger = self.ledger
         return side
 
     def all_gather_polled(self, flat_output: torch.Tensor, shard: torch.Tensor) -> Handle:
@@ -614,9 +623,13 @@ class Communicator:
             f"collective {op} {what} {where} on rank {self.rank} of {self.world_size} "
             f"({self.backend}){self._with(peer)}: another rank stopped responding (stalled, "
             f"killed, or running different code) [{type(cause).__name__}: {first_line}]"
-            f"{self._reported_failures()}")
+            f"{self._reported_failures(self._report_wait() if timed_out else 0.0)}")
 
     def _with(self, peer: int | None) -> str:
+        if peer is None and self.world_size == 2:
+            # A collective of the backend (the side channel's headers, an all-reduce) on two
+            # ranks exchanges with the other one only: name it as a direct exchange would.
+            peer = 1 - self.rank
         if peer is None:
             return ""
         known = f" (global rank {self._peers[peer]})" if self.group is not None else ""

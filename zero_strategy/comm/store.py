@@ -11,6 +11,7 @@ time, and a failure report never raises: the error being reported is the one to 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -18,6 +19,10 @@ from typing import Any, TypeVar
 REPORT_BOUND_S = 5.0
 """The longest a failure report, or the lookup of other ranks' reports while an error is
 being raised, waits for the store."""
+REPORT_WAIT_S = 3.0
+"""How long a rank whose collective timed out waits for a peer's failure report to appear
+before raising (the peer's report is often a moment behind the timeout, most on a loaded
+host); only on that path, and only while no report is there."""
 
 _T = TypeVar("_T")
 
@@ -105,18 +110,26 @@ class Ledger:
         except Exception as e:  # noqa: BLE001 - see above
             self.lost = f"{type(e).__name__}: {e}"
 
-    def reported(self) -> str:
-        """What the other ranks reported, as the tail of an error message; never raises."""
+    def reported(self, wait_s: float = 0.0) -> str:
+        """What the other ranks reported, as the tail of an error message; never raises.
+        ``wait_s``: how long to wait for a first report when none is there yet (a rank that
+        timed out waiting for a peer usually did so because that peer failed, and its report
+        may be a moment behind: the error then names the cause, not only the symptom)."""
         if self.world_size == 1:
             return ""
         keys = {r: self._key(r) for r in range(self.world_size) if r != self.rank}
 
         def read(store: Any) -> list[str]:
-            return [f"rank {r} failed: {store.get(k).decode(errors='replace')}"
-                    for r, k in keys.items() if store.check([k])]
+            deadline = time.monotonic() + wait_s
+            while True:
+                found = [f"rank {r} failed: {store.get(k).decode(errors='replace')}"
+                         for r, k in keys.items() if store.check([k])]
+                if found or time.monotonic() >= deadline:
+                    return found
+                time.sleep(0.1)
 
         try:
-            found = self._call(read)
+            found = self._call(read, REPORT_BOUND_S + wait_s)
         except StoreSilent as e:
             return f"; {e}, so no other rank's report could be read"
         except Exception:  # noqa: BLE001 - the store itself is gone: nothing more to say

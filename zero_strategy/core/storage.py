@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import torch
 
+from .. import compat
+
 
 def swaps_memory(device: torch.device) -> bool:
     """Whether the pool lends memory by swapping on ``device`` (host memory, on a torch that
-    has the swap); elsewhere it resizes the unit's own storage."""
-    return device.type == "cpu" and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+    has the swap: 2.12 on, ``compat.STORAGE_SWAP``); elsewhere it resizes the unit's own
+    storage."""
+    return device.type == "cpu" and hasattr(torch.UntypedStorage, compat.STORAGE_SWAP.name)
 
 
 def swap_memory(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
