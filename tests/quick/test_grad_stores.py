@@ -45,3 +45,14 @@ def test_only_an_exclusive_gradient_is_reduced_in_place(world2: dict) -> None:
         # the caller's tensor is not divided in place: a pooled copy is reduced instead
         assert view["caller_kept"], r
         assert view["pool_bytes"] == [r["buffer_bytes"]] * 2, r
+
+
+def test_zero_returns_a_cut_short_reduction_s_pool_memory_and_never_the_shard(
+        world2: dict) -> None:
+    for r in check(world2["zero_after_a_cut_short_reduction"]):
+        # the first pass reduced into the shard itself: it stays out of the pool
+        assert r["first_pass"] == {"shard_in_pool": False, "shard_sized_blocks": 0,
+                                   "zeros": True}, r
+        # a second pass reduced into a pooled slice: back in the pool, not leaked
+        assert r["second_pass"] == {"shard_in_pool": False, "shard_sized_blocks": 1,
+                                    "zeros": True}, r

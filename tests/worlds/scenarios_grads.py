@@ -195,3 +195,31 @@ def sharded_store_reduces_in_place_only_what_it_owns() -> dict[str, Any]:
 def _values(rank: int, numel: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(7 + rank)
     return torch.randint(-16_000, 16_000, (numel,), generator=gen).float() / 16
+
+
+@scenario
+def zero_after_a_cut_short_reduction() -> dict[str, Any]:
+    """A pass cut short with its reduction still out (an error in backward): ``zero`` waits
+    for it, gives its output back to the pool when that is pool memory (a second pass's),
+    and never when it is the shard itself (the first pass reduces straight into it): a
+    shard in the pool would be lent to the next buffer while it still holds gradients."""
+    comm, rank = Communicator(), dist.get_rank()
+    layout = make_layout([(n, torch.Size(s), 0) for n, s in SHAPES.items()], 2)
+    shard_bytes = layout.shard_numel * 4
+    out: dict[str, Any] = {}
+    for case in ("first_pass", "second_pass"):
+        pool = BufferPool(comm.device)
+        store = GRAD_STORES["reduce_scatter_sharded"](layout, rank, torch.float32,
+                                                       torch.device("cpu"), pool)
+        if case == "second_pass":
+            _pass(store, comm, 1)  # reduced into the shard: the next one goes through the pool
+        for index, grad in enumerate(_grads(rank, 2).values()):
+            store.accumulate(index, grad)
+        store.launch_reduce(comm)
+        store.zero()  # no finish_reduce: the pass was cut short
+        shard = store.grad_shard.untyped_storage().data_ptr()
+        blocks = [b for free in pool._free.values() for b in free]
+        out[case] = {"shard_in_pool": any(b.data_ptr() == shard for b in blocks),
+                     "shard_sized_blocks": len(pool._free.get(shard_bytes, [])),
+                     "zeros": not store.grad_shard.any().item()}
+    return out
