@@ -772,9 +772,9 @@ class Communicator:
         # The first peer's piece lands in ``output`` itself; only the others need scratch
         # (none on two ranks).
         take, give = self._lender()
-        scratch = take((len(peers) - 1) * output.numel(), output.dtype) if peers[1:] else None
-        targets = [output] + (list(scratch.view(len(peers) - 1, -1)) if scratch is not None
-                              else [])
+        slices = self.reduce_scatter_scratch_slices  # what the memory bound counts
+        scratch = take(slices * output.numel(), output.dtype) if slices else None
+        targets = [output] + (list(scratch.view(slices, -1)) if scratch is not None else [])
         works: list[tuple[Any, int | None]] = []
         for peer, target in zip(peers, targets):
             with self._starting("reduce_scatter", peer):

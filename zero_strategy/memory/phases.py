@@ -148,29 +148,7 @@ def phase_bounds(engine: EngineView, *, activation_bytes: int, loaded_whole: boo
                                   + LOADER_SCRATCH)
     terms["gathered"] = _gathered(engine, p)
     terms["activations"] = activation_bytes
-    trainable = [u for u in units if any(q.requires_grad for q in u.params)]
-    # A unit enclosing others holds its gradient through their backward (below), outside
-    # the window of inner units reduced one after another.
-    enclosing = [u for u in trainable if any(_encloses(u, v) for v in units if v is not u)]
-    widest = max((u.layout.padded_numel for u in trainable if u not in enclosing), default=0)
-    slice_ = max((u.layout.shard_numel for u in trainable), default=0)
-    terms["gradient_buffers"] = ((MAX_INFLIGHT_REDUCTIONS + 1) * widest + slice_) * g
-    terms["reduce_scratch"] = ((MAX_INFLIGHT_REDUCTIONS + 1)
-                               * engine.shards.reduce_scatter_scratch_slices * slice_ * g)
-    terms["enclosing_gradients"] = sum(u.layout.padded_numel for u in enclosing) * g
-    # A unit of one unpadded parameter adopts autograd's gradient as its buffer
-    # (``ShardedGrads.accumulate``); any other adds it in, both alive for that moment.
-    adds_in = [u for u in trainable if not adopts_autograd_gradient(u.layout)]
-    terms["autograd_gradient"] = max((s.numel for u in adds_in
-                                      for s, q in zip(u.layout.slots, u.params)
-                                      if q.requires_grad), default=0) * g
-    routed = routed_blocks(engine.module)
-    terms["routed_held"] = max((u.layout.padded_numel for u in trainable
-                                if u.module is not None and id(u.module) in routed),
-                               default=0) * g
-    sharded_grads = engine.plan.stage >= 2
-    shards = sum(u.layout.shard_numel for u in trainable) if sharded_grads else 0
-    terms["gradient_shards"] = shards * (g + (m if m != g else 0))
+    terms.update(_gradient_terms(engine, g, m))
     here = [_trainable_here(u, rank) for u in units]
     states = engine.optimizer.states_per_param()
     pieces = sum(len(_trainable_pieces(u, rank)) for u in units)
@@ -191,6 +169,36 @@ def phase_bounds(engine: EngineView, *, activation_bytes: int, loaded_whole: boo
     return PhaseBounds(load=load + SLACK_BYTES, forward=forward + SLACK_BYTES,
                        backward=backward + SLACK_BYTES, step=step + SLACK_BYTES,
                        save=t["save_buckets"] + SLACK_BYTES, terms=dict(terms))
+
+
+def _gradient_terms(engine: EngineView, g: int, m: int) -> dict[str, int]:
+    """What backward allocates for gradients beyond the forward's terms (module docstring)."""
+    units = engine.units
+    trainable = [u for u in units if any(q.requires_grad for q in u.params)]
+    # A unit enclosing others holds its gradient through their backward, outside the
+    # window of inner units reduced one after another.
+    enclosing = [u for u in trainable if any(_encloses(u, v) for v in units if v is not u)]
+    widest = max((u.layout.padded_numel for u in trainable if u not in enclosing), default=0)
+    slice_ = max((u.layout.shard_numel for u in trainable), default=0)
+    in_flight = MAX_INFLIGHT_REDUCTIONS + 1
+    # A unit of one unpadded parameter adopts autograd's gradient as its buffer
+    # (``ShardedGrads.accumulate``); any other adds it in, both alive for that moment.
+    adds_in = [u for u in trainable if not adopts_autograd_gradient(u.layout)]
+    routed = routed_blocks(engine.module)
+    sharded_grads = engine.plan.stage >= 2
+    shards = sum(u.layout.shard_numel for u in trainable) if sharded_grads else 0
+    return {
+        "gradient_buffers": (in_flight * widest + slice_) * g,
+        "reduce_scratch": in_flight * engine.shards.reduce_scatter_scratch_slices * slice_ * g,
+        "enclosing_gradients": sum(u.layout.padded_numel for u in enclosing) * g,
+        "autograd_gradient": max((s.numel for u in adds_in
+                                  for s, q in zip(u.layout.slots, u.params)
+                                  if q.requires_grad), default=0) * g,
+        "routed_held": max((u.layout.padded_numel for u in trainable
+                            if u.module is not None and id(u.module) in routed),
+                           default=0) * g,
+        "gradient_shards": shards * (g + (m if m != g else 0)),
+    }
 
 
 def _resting(engine: EngineView, p: int, m: int) -> dict[str, int]:
