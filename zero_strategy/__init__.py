@@ -14,6 +14,7 @@ from .core.materialize import meta_init
 from .core.runtime import GatherOrderError
 from .engine import ZeroEngine
 from .integrations.hf import activations as _hf_activations
+from .integrations.hf import peft_init as _hf_peft_init
 from .integrations.hf import peft_layout as _hf_layouts
 from .integrations.registration import register_if_lightning_imported, register_strategies
 from .memory import (
@@ -34,6 +35,8 @@ register_if_lightning_imported()
 _hf_activations.register()
 # ... and its hub layout (reverse weight conversions, tied weights) reaches the export here.
 _hf_layouts.register()
+# PEFT's adapters added to a model on meta (a streamed from_pretrained) get PEFT's init.
+_hf_peft_init.register()
 
 __all__ = [
     "ActivationEstimate", "BlockActivations", "CheckpointError", "CombinedOptimizer",

@@ -129,6 +129,47 @@ def test_training_equals_world3(world3: dict) -> None:
         assert r["losses"] == r["ref_losses"] and r["differ"] == []
 
 
+PEFT = [f"peft_{case}_stage{stage}" for case in ("gpt2_bias", "gpt2_gaussian",
+                                                  "llama_embedding") for stage in range(4)]
+
+
+@pytest.mark.parametrize("name", PEFT)
+def test_peft_on_a_streamed_model_loads_inits_and_trains_as_loaded_whole(world2: dict,
+                                                                          name: str) -> None:
+    """get_peft_model on a streamed model: the base weights stream in under PEFT's names (bit
+    for bit those of the model loaded whole and wrapped), every adapter gets PEFT's init rule
+    (B and B's bias zero; A below nn.Linear's kaiming bound 1/sqrt(fan_in), or of std 1/r
+    for "gaussian"; embeddings A zero, B standard normal), the same on every rank, and three
+    AdamW steps equal the whole model's bit for bit once it takes our A (same bytes, same
+    ops: no tolerance)."""
+    gaussian = "gaussian" in name
+    for r in check(world2[name]):
+        assert r["base_differ"] == [] and r["same_on_every_rank"]
+        assert r["adapters"], "no adapter reached the engine"
+        for key, (shape, top, std) in r["adapters"].items():
+            fan_in = r["fan_in"][key]
+            if "lora_B" in key or "lora_embedding_A" in key:
+                assert top == 0.0, key
+            elif "lora_embedding_B" in key:  # standard normal: 4 x 64 draws
+                assert 0.8 < std < 1.2, (key, std)
+            elif gaussian:  # std 1/r = 0.25 over 4 x 32 or more draws
+                assert 0.2 < std < 0.3, (key, std)
+            else:  # kaiming_uniform_(a=sqrt(5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+                bound = fan_in ** -0.5
+                assert 0.5 * bound < top <= bound, (key, top, bound, shape)
+        assert r["losses"] == r["ref_losses"] and r["differ"] == []
+
+
+def test_peft_on_a_streamed_model_refuses_what_needs_the_base_weights(world2: dict) -> None:
+    for r in check(world2["peft_refusals"]):
+        assert "use_dora=True" in r["dora"]
+        assert "init_lora_weights='eva'" in r["eva"]  # PiSSA & co. fail in PEFT itself on meta
+        assert "ModulesToSaveWrapper" in r["modules_to_save"]
+        for message in r.values():
+            assert "from_pretrained" in message and "init_lora_weights in [True, False, " \
+                "'gaussian']" in message, message
+
+
 def test_model_inside_a_strategy_meta_init(world2: dict) -> None:
     """Built in a nested meta_init (Lightning's configure_model, Fabric's init_module) and
     held by another module: loaded under its prefix; the other module's init as eager."""

@@ -10,6 +10,7 @@ same bytes read from the same file and cast by the same ops, so no tolerance), e
 
 from __future__ import annotations
 
+import copy
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -198,6 +199,96 @@ def training(stage: int, precision: str) -> dict[str, Any]:
 for _stage, _precision in ((2, "bf16-mixed"), (3, "32-true")):
     register(f"training_stage{_stage}_{_precision}", training, stage=_stage,
              precision=_precision)
+
+
+LORA_CASES = {
+    # (folder, model class, LoraConfig fields)
+    "gpt2_bias": ("gpt2", "GPT2LMHeadModel", {"target_modules": ["c_attn", "c_proj"],
+                                              "fan_in_fan_out": True, "lora_bias": True}),
+    "gpt2_gaussian": ("gpt2", "GPT2LMHeadModel", {
+        "target_modules": ["c_attn"], "fan_in_fan_out": True, "init_lora_weights": "gaussian"}),
+    # an embedding target (lora_embedding_A/B) beside linear ones, untied
+    "llama_embedding": ("llama", "LlamaForCausalLM", {
+        "target_modules": ["embed_tokens", "q_proj", "v_proj"]}),
+}
+
+
+def peft_lora(case: str, stage: int) -> dict[str, Any]:
+    """A streamed model wrapped by PEFT's get_peft_model (issue 58): the base weights stream
+    in under PEFT's names, the adapters get PEFT's init rule (B zero: the model starts at the
+    base model), and training equals the same model loaded whole and wrapped, given the same
+    A (A is drawn afresh when the engine is built, so the reference takes ours)."""
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model
+
+    from zero_strategy.integrations.hf.pretrained import from_pretrained
+
+    folder, cls, fields = LORA_CASES[case]
+    path, model_class = folders()[folder], getattr(tf, cls)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, **fields)
+    torch.manual_seed(11)
+    streamed = _engine(get_peft_model(from_pretrained(model_class, path), config).train(),
+                       _config(stage))
+    start = streamed.full_state_dict()
+    whole = get_peft_model(model_class.from_pretrained(path), copy.deepcopy(config)).train()
+    with torch.no_grad():  # the reference takes our adapters' first values
+        for name, p in whole.named_parameters():
+            if "lora_" in name:
+                p.copy_(start[name])
+    reference = _engine(whole, _config(stage))
+    ref_start = reference.full_state_dict()
+    adapters = {k: v for k, v in start.items() if "lora_" in k}
+    gen = torch.Generator().manual_seed(3 + dist.get_rank())
+    vocab = 96 if folder == "gpt2" else 64
+    batches = [torch.randint(0, vocab, (2, 16), generator=gen) for _ in range(3)]
+    losses: dict[str, list[float]] = {"streamed": [], "whole": []}
+    for engine, out in ((streamed, losses["streamed"]), (reference, losses["whole"])):
+        for ids in batches:
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            out.append(loss.item())
+    fingerprint = torch.stack([v.double().sum() for v in adapters.values()])
+    everyone = [torch.zeros_like(fingerprint) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, fingerprint)
+    return {
+        "base_differ": _differ({k: v for k, v in start.items() if "lora_" not in k},
+                               {k: v for k, v in ref_start.items() if "lora_" not in k}),
+        "adapters": {k: [list(v.shape), v.abs().max().item(), v.float().std().item()]
+                     for k, v in adapters.items()},
+        "fan_in": {k: v.shape[-1] for k, v in adapters.items()},
+        "same_on_every_rank": all(torch.equal(e, everyone[0]) for e in everyone),
+        "losses": losses["streamed"], "ref_losses": losses["whole"],
+        "differ": _differ(streamed.full_state_dict(), reference.full_state_dict()),
+    }
+
+
+for _case in LORA_CASES:
+    for _stage in STAGES:
+        register(f"peft_{_case}_stage{_stage}", peft_lora, case=_case, stage=_stage)
+
+
+@scenario
+def peft_refusals() -> dict[str, Any]:
+    """What PEFT cannot initialise on meta is refused by name when the engine is built."""
+    import transformers as tf
+    from peft import LoraConfig, get_peft_model
+
+    from zero_strategy.integrations.hf.pretrained import from_pretrained
+
+    path = folders()["gpt2"]
+    base = {"r": 4, "target_modules": ["c_attn"], "fan_in_fan_out": True}
+    messages = {}
+    for name, fields in {"dora": {"use_dora": True}, "eva": {"init_lora_weights": "eva"},
+                         "modules_to_save": {"modules_to_save": ["lm_head"]}}.items():
+        model = get_peft_model(from_pretrained(tf.GPT2LMHeadModel, path),
+                               LoraConfig(**base, **fields))
+        try:
+            _engine(model, _config(3))
+            messages[name] = "no error"
+        except ValueError as e:
+            messages[name] = str(e)
+    return messages
 
 
 @scenario

@@ -419,26 +419,36 @@ def _in_place(engine: EngineView) -> dict[str, tuple[torch.Tensor, int]]:
     return out
 
 
-def _engine_entries(engine: EngineView, root: str, dtypes: dict[str, torch.dtype]
-                    ) -> tuple[dict[str, tuple[int, torch.Size, torch.dtype]], dict[int, str]]:
+def _engine_entries(engine: EngineView, root: str, dtypes: dict[str, torch.dtype],
+                    built: PretrainedSpec | None = None
+                    ) -> tuple[dict[str, tuple[int, torch.Size, torch.dtype]], dict[int, str],
+                               dict[str, str]]:
     """The engine module's keys under ``root`` with the shapes and dtypes the model had before
-    wrapping (a stage-3 parameter's own tensor is empty now), and each managed parameter's
-    engine name by identity."""
+    wrapping (a stage-3 parameter's own tensor is empty now), each managed parameter's engine
+    name by identity, and the module's own key of each (relative to ``root``). A parameter
+    ``built`` knows is keyed as it was built, so the folder's key finds it wherever a wrapper
+    has moved it since."""
     shapes = {id(p): torch.Size(s.shape) for u in engine.units
               for s, p in zip(u.layout.slots, u.params)}
     names = {id(p): s.name for u in engine.units for s, p in zip(u.layout.slots, u.params)}
-    out = {}
+    out, current = {}, {}
     for key, t in engine.module.state_dict(keep_vars=True).items():
         if key.startswith(root):
-            dtype = engine.original_dtypes.get(id(t), dtypes.get(key, t.dtype))
-            out[key[len(root):]] = (id(t), shapes.get(id(t), t.shape), dtype)
-    return out, names
+            rel = key[len(root):]
+            rel = built.built_key(t, rel, out) if built is not None else rel
+            if rel in out:  # an untouched key and a moved one now both claim it
+                raise CheckpointError(f"model keys {root + current[rel]!r} and {key!r} both "
+                                      f"stand for {rel!r} of the pretrained model")
+            dtype = engine.original_dtypes.get(id(t), dtypes.get(root + rel, t.dtype))
+            out[rel] = (id(t), shapes.get(id(t), t.shape), dtype)
+            current[rel] = key[len(root):]
+    return out, names, current
 
 
 def _source(engine: EngineView, folder: PretrainedFolder, key_map: KeyMap,
-            dtypes: dict[str, torch.dtype], strict: bool, in_place: bool
-            ) -> tuple[PretrainedSource, Resolution]:
-    entries, names = _engine_entries(engine, key_map.root, dtypes)
+            dtypes: dict[str, torch.dtype], strict: bool, in_place: bool,
+            built: PretrainedSpec | None = None) -> tuple[PretrainedSource, Resolution]:
+    entries, names, current = _engine_entries(engine, key_map.root, dtypes, built)
     found = resolve(entries, folder, key_map)
     if strict and (found.missing or found.unexpected):
         raise CheckpointError(
@@ -455,7 +465,7 @@ def _source(engine: EngineView, folder: PretrainedFolder, key_map: KeyMap,
         name = names.get(tensor, key_map.root + rel)
         if tensor in names:
             params[name] = tuple(shape)
-            aliases[key_map.root + rel] = name
+            aliases[key_map.root + current[rel]] = name
         sources[name] = key
         manifest_dtypes[name] = dtype
     manifest = foreign_manifest(
@@ -473,17 +483,19 @@ def load(engine: EngineView, path: str | os.PathLike | PretrainedFolder, *,
     rank, read this rank's ranges on every rank, agree, then write (``read.commit_load``). The
     engine's step counters and optimizer state stay as they are. ``dtypes``: the dtype each
     key had in the model before the engine cast it (buffers); managed parameters' are known."""
+    spec = None
     if key_map is None:
-        key_map, dtypes = _registered(engine.module, dtypes)
-    found = _load(engine, path, key_map, strict, dtypes or {}, in_place=False)
+        key_map, dtypes, spec = _registered(engine.module, dtypes)
+    found = _load(engine, path, key_map, strict, dtypes or {}, in_place=False, built=spec)
     return LoadResult(found.missing, found.unexpected)
 
 
 def _load(engine: EngineView, path: str | os.PathLike | PretrainedFolder, key_map: KeyMap,
-          strict: bool, dtypes: dict[str, torch.dtype], *, in_place: bool) -> Resolution:
+          strict: bool, dtypes: dict[str, torch.dtype], *, in_place: bool,
+          built: PretrainedSpec | None = None) -> Resolution:
     comm = engine.comm
     source, found = on_all_ranks(comm, lambda: _source(
-        engine, open_folder(path), key_map, dtypes, strict, in_place))
+        engine, open_folder(path), key_map, dtypes, strict, in_place, built))
     staged = on_all_ranks(comm, lambda: stage_load(engine, source, False, None))
     commit_load(engine, staged, False)
     return found
@@ -503,6 +515,25 @@ class PretrainedSpec:
     """Model keys the folder covered when the model was built (checked again at load)."""
     info: dict[str, Any] = field(default_factory=dict)
     loaded: bool = False
+    built: dict[int, tuple[torch.Tensor, list[str]]] = field(default_factory=dict)
+    """Each parameter's keys when the model was built (more than one: tied), by identity: a
+    wrapper that moves parameters after that (PEFT puts a LoRA target's weight under
+    ``base_layer.``) renames their keys, never the parameter objects, which the engine keeps
+    too. The parameter is held (the model holds it anyway) so that its id is never another
+    object's: a weak reference would stop the engine swapping its meta tensor for a real one."""
+
+    def record_keys(self, model: nn.Module) -> None:
+        for key, p in model.named_parameters(remove_duplicate=False):
+            self.built.setdefault(id(p), (p, []))[1].append(key)
+
+    def built_key(self, tensor: torch.Tensor, key: str, taken: Iterable[str] = ()) -> str:
+        """The key as built of the parameter ``tensor`` that now sits at ``key``: ``key`` if it
+        was one of its keys then, else the first of them not ``taken`` by another key of a
+        tied parameter (a key as it is, for a tensor the model did not have as a parameter)."""
+        entry = self.built.get(id(tensor))
+        if entry is None or entry[0] is not tensor or key in entry[1]:
+            return key
+        return next((k for k in entry[1] if k not in taken), key)
 
 
 _REGISTERED: weakref.WeakKeyDictionary[nn.Module, PretrainedSpec] = weakref.WeakKeyDictionary()
@@ -533,7 +564,7 @@ def load_pending(engine: EngineView, found: list[tuple[str, PretrainedSpec]]) ->
         for root, spec in found:
             dtypes = {root + k: d for k, d in spec.dtypes.items()}
             result = _load(engine, spec.folder, replace(spec.key_map, root=root), False,
-                           dtypes, in_place=True)
+                           dtypes, in_place=True, built=spec)
             lost = sorted(spec.expected - result.covered)
             if lost:  # neither initialised nor loaded: training them would read garbage
                 raise CheckpointError(f"{spec.folder.path}: the folder changed since the "
@@ -545,10 +576,10 @@ def load_pending(engine: EngineView, found: list[tuple[str, PretrainedSpec]]) ->
 
 
 def _registered(model: nn.Module, dtypes: dict[str, torch.dtype] | None
-                ) -> tuple[KeyMap, dict[str, torch.dtype] | None]:
+                ) -> tuple[KeyMap, dict[str, torch.dtype] | None, PretrainedSpec | None]:
     """For ``engine.load_pretrained`` without a key map: that of the one model in ``model``
-    that ``from_pretrained`` built (placed at its prefix, with the dtypes it was built with),
-    else keys as they are."""
+    that ``from_pretrained`` built (placed at its prefix, with the dtypes it was built with,
+    and its spec, which knows its parameters' keys as built), else keys as they are."""
     found = [(f"{n}." if n else "", s) for n, sub in model.named_modules()
              if (s := _REGISTERED.get(sub)) is not None]
     if len(found) > 1:
@@ -556,10 +587,10 @@ def _registered(model: nn.Module, dtypes: dict[str, torch.dtype] | None
                          f"{[r or '<root>' for r, _ in found]}): pass key_map= (KeyMap(root=...)) "
                          "to say which one to load")
     if not found:
-        return KeyMap(), dtypes
+        return KeyMap(), dtypes, None
     root, spec = found[0]
     built = {root + k: d for k, d in spec.dtypes.items()}
-    return replace(spec.key_map, root=root), {**built, **(dtypes or {})}
+    return replace(spec.key_map, root=root), {**built, **(dtypes or {})}, spec
 
 
 def warn_keys(what: str, path: Path, missing: list[str], unexpected: list[str]) -> None:

@@ -96,6 +96,20 @@ def _init(module: nn.Module, default: InitFn) -> None:
     _OWN_INIT.get(module, default)(module)
 
 
+Preparer = Callable[[nn.Module], None]
+_PREPARERS: list[Preparer] = []
+"""Run on a model before the engine materialises it: a library that adds modules to a model
+already on meta (PEFT's adapters on a streamed pretrained model, which it builds on the CPU
+and then moves onto meta, dropping their values) registers their init here
+(``set_module_init``), or refuses what it cannot initialise. Integrations add to it; the core
+never imports them."""
+
+
+def register_preparer(prepare: Preparer) -> None:
+    if prepare not in _PREPARERS:
+        _PREPARERS.append(prepare)
+
+
 def has_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in _tensors(model, recurse=True))
 
@@ -604,6 +618,8 @@ class Materializer:
     then given what other modules' inits wrote to its tensors."""
 
     def __init__(self, model: nn.Module, device: torch.device, init_fn: InitFn | None) -> None:
+        for prepare in _PREPARERS:
+            prepare(model)
         self.device = device
         self.init_fn = init_fn or default_init
         self.owners: dict[int, list[nn.Module]] = {}
@@ -617,8 +633,9 @@ class Materializer:
         # Put on meta without meta_init: as if built eagerly now, in eager order. This moves
         # the generators on, as eager construction would have.
         unseen = [m for m in _eager_order(model) if _owns_meta(m) and id(m) not in records]
-        if records and unseen:
-            warn_inexact(f"{len(unseen)} modules on meta (e.g. a {type(unseen[0]).__name__}) "
+        # Modules with an init of their own (a preparer's rule) are initialised as meant.
+        if records and (guessed := [m for m in unseen if m not in _OWN_INIT]):
+            warn_inexact(f"{len(guessed)} modules on meta (e.g. a {type(guessed[0]).__name__}) "
                          "were not seen being built in meta_init (copies made with "
                          "copy.deepcopy, as nn.TransformerEncoder makes of its layer, or "
                          "modules put on meta another way): they are initialised as if built "

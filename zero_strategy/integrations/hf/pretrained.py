@@ -109,7 +109,9 @@ def from_pretrained(model_class: type[nn.Module], path: str | os.PathLike, *mode
     info = {"missing_keys": set(found.missing), "unexpected_keys": set(found.unexpected),
             "mismatched_keys": set(), "error_msgs": []}
     dtypes = {k: t.dtype for k, t in model.state_dict(keep_vars=True).items()}
-    register(model, PretrainedSpec(folder, key_map, dtypes, found.covered, info))
+    spec = PretrainedSpec(folder, key_map, dtypes, found.covered, info)
+    spec.record_keys(model)
+    register(model, spec)
     model.eval()  # as transformers leaves a loaded model
     _generation_config(model, folder.path, generation, trust)
     return (model, info) if with_info else model
