@@ -15,9 +15,9 @@ and written with ``save_pretrained``; each (model, N, system, pattern) is then o
 
 Patterns (``bench/phase_memory.py``, where they are defined for both families): ``full``;
 ``head`` (the final norm, and the MoE's untied ``lm_head``); ``first_block`` (backward
-crosses every frozen block); ``lora_all`` (PEFT LoRA r=8 on every block's attention, the
-model loaded whole: the streamed load does not follow PEFT's renames). Ours runs every
-pattern given; the anchors those of ``--anchor-patterns``.
+crosses every frozen block); ``lora_all`` (PEFT LoRA r=8 on every block's attention; ours
+streamed too, the anchors loaded whole). Ours runs every pattern given; the anchors those of
+``--anchor-patterns``.
 
 Each rank measures its resident memory (``/proc/self/status``) around each phase, resetting
 the kernel's high-water mark (``VmHWM``, through ``/proc/self/clear_refs``) when a phase
@@ -287,7 +287,7 @@ def worker(system: str, kind: str, pattern: str, folder: Path, out: Path) -> dic
     if system.startswith("zs_zero3"):
         engine = trainer.zero_engine
         run.bound(engine, activations(kind, model, engine),
-                  loaded_whole=pattern.startswith("lora") or system == "zs_zero3_whole")
+                  loaded_whole=system == "zs_zero3_whole")
     dist.barrier()
     run.meter.start(collect=True)
     trainer.save_model(str(out / "saved"))

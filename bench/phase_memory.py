@@ -21,9 +21,9 @@ decay group is empty); ``last_blocks`` (the last 2 blocks and ``ln_f``); ``first
 (PEFT LoRA r=8 on ``c_attn`` and ``c_proj`` of every block, or of the first and the last);
 ``reference`` (the ``reference`` path's: a full fine-tune beside a frozen reference).
 
-Models load streamed (``zero_strategy.transformers.from_pretrained``) except under LoRA:
-PEFT renames the modules it wraps, which the streamed load does not follow yet, so those
-load whole (``GPT2LMHeadModel.from_pretrained``) and their load bound says so.
+Models load streamed (``zero_strategy.transformers.from_pretrained``), LoRA too: PEFT wraps
+the model on meta, and the engine reads the base weights under PEFT's names and gives the
+adapters PEFT's init (``integrations/hf/peft_init.py``).
 
 Phase boundaries: load from the pattern's start to the engine built (Trainer's
 ``on_train_begin``, Lightning's ``on_train_start``); forward the model call (Trainer's
@@ -112,20 +112,19 @@ def lora_config(pattern: str, config: Any = None) -> Any:
 def load_model(pattern: str, folder: Path, wrap_lora: bool = True, cls: Any = None,
                streamed: bool = True) -> Any:
     """The model (``cls``, default GPT-2) as the pattern trains it: streamed onto meta
-    (``streamed``: else ``cls.from_pretrained``) and frozen by name, or (LoRA) loaded whole
-    and wrapped by PEFT (not when a trainer does the wrapping itself)."""
+    (``streamed``: else ``cls.from_pretrained``), then frozen by name, or (LoRA) wrapped by
+    PEFT (not when a trainer does the wrapping itself)."""
     from transformers import GPT2LMHeadModel
 
     from zero_strategy.transformers import from_pretrained
 
     cls = cls or GPT2LMHeadModel
+    model = (from_pretrained(cls, folder) if streamed else cls.from_pretrained(folder)).train()
     if pattern.startswith("lora"):
-        model = cls.from_pretrained(folder)
         if wrap_lora:
             from peft import get_peft_model
             model = get_peft_model(model, lora_config(pattern, model.config))
         return model.train()
-    model = (from_pretrained(cls, folder) if streamed else cls.from_pretrained(folder)).train()
     prefixes = trained_prefixes(pattern, model.config)
     for name, p in model.named_parameters():
         p.requires_grad_(prefixes is None or name.startswith(prefixes))
@@ -194,14 +193,13 @@ class Run:
         self.losses: list[float] = []
 
     def bound(self, engine: Any, activations: int, extra: Any = None,
-              loaded_whole: bool | None = None) -> None:
+              loaded_whole: bool = False) -> None:
         """The engine's bounds (``extra``: a frozen engine beside it, whose shards add to
         load and its units in flight to forward: it runs no backward, and its pool keeps
-        the blocks its forward took). ``loaded_whole``: default, for the LoRA patterns."""
+        the blocks its forward took). ``loaded_whole``: the model was loaded whole."""
         from zero_strategy.memory.phases import SLACK_BYTES
 
-        whole = self.pattern.startswith("lora") if loaded_whole is None else loaded_whole
-        b = engine.phase_bounds(activation_bytes=activations, loaded_whole=whole)
+        b = engine.phase_bounds(activation_bytes=activations, loaded_whole=loaded_whole)
         bounds = {p: b.of(p) for p in PHASES}
         self.terms = {k: round(v / MIB, 1) for k, v in b.terms.items()}
         if extra is not None:
@@ -328,12 +326,9 @@ def _lightning_module(run: Run, folder: Path) -> Any:
     class Module(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            # Loaded whole (LoRA) here: configure_model runs on the meta device at stage 3,
-            # where from_pretrained cannot load; streamed, there
-            self.model = load_model(run.pattern, folder) if run.pattern.startswith("lora") \
-                else None
+            self.model = None
 
-        def configure_model(self) -> None:
+        def configure_model(self) -> None:  # streamed (LoRA too), as Lightning's docs say
             if self.model is None:
                 self.model = load_model(run.pattern, folder)
 
