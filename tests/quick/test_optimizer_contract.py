@@ -69,6 +69,8 @@ def test_nonfinite_gradients_skip_by_default(world: dict, precision: str) -> Non
         assert r["weights_unchanged"] and r["states_unchanged"] and r["weights_finite"]
         assert r["skipped"] == 1
         assert any("global step 1" in w and "1 skipped so far" in w for w in r["warnings"])
+        # as warnings.warn's stacklevel means it: at the user's engine.step() call
+        assert r["warned_at"] == ["scenarios_optimizer.py"], r["warned_at"]
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])

@@ -236,7 +236,7 @@ def nonfinite(precision: str, policy: str) -> dict[str, Any]:
     engine = zs.ZeroEngine(model, adamw(model), zs.ZeroConfig(
         stage=2, precision=precision, nonfinite_grads=policy))
     gen = torch.Generator().manual_seed(9)
-    out: dict[str, Any] = {"stepped": [], "warnings": [], "message": None}
+    out: dict[str, Any] = {"stepped": [], "warnings": [], "message": None, "warned_at": []}
     for step in range(3):
         data = batches(gen, WORLD)
         if step == 1:
@@ -256,6 +256,7 @@ def nonfinite(precision: str, policy: str) -> dict[str, Any]:
                 out["message"] = str(e)
                 out["stepped"].append(None)
         out["warnings"] += [str(w.message) for w in caught]
+        out["warned_at"] += [Path(w.filename).name for w in caught]  # the line that stepped
         if step == 1:
             after = engine.full_state_dict()
             out["weights_unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
