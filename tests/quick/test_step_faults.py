@@ -84,6 +84,18 @@ def test_a_step_cut_short_refuses_until_reload_n2(two: dict, stage: int) -> None
         assert_point_fault_handled(r, "optimizer_step_after")
 
 
+def test_one_rank_cut_short_after_its_update_makes_every_rank_refuse(two: dict) -> None:
+    """Disk tier: rank 0 raised after updating, rank 1 before; both refuse until the reload
+    (rank 1 would otherwise train on from a state rank 0 no longer shares), then match a
+    reference that skipped the step."""
+    for rank, r in enumerate(check(two["mixed_cut_disk_s2"])):
+        point = "optimizer_step_after" if rank == 0 else "optimizer_step"
+        assert r["raised"] is not None and r["raised"].startswith(f"injected fault: {point}")
+        assert r["refused"] is not None and "reload the last checkpoint" in r["refused"], r
+        assert r["losses"] == r["ref_losses"]
+        assert r["same"] == {"weights": True, "optimizer": True}
+
+
 @pytest.mark.parametrize("size", [1, 2])
 def test_a_checkpoint_write_cut_short_on_rank0(one: dict, two: dict, size: int) -> None:
     assert_checkpoint_write_fault_handled(check((one, two)[size - 1]["checkpoint_write_s3"]))

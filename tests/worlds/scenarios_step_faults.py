@@ -307,6 +307,39 @@ def one_rank_point(stage: int, point: str) -> dict[str, Any]:
     return out
 
 
+def mixed_cut_disk(stage: int) -> dict[str, Any]:
+    """Disk tier, N=2: rank 0's optimizer step raises after its update, rank 1's before any
+    (its pre-hook). Alone, rank 1 could zero_grad and go on while rank 0 must reload; the
+    ranks agree instead (``_agree_after_update``: one rank cut short leaves every rank
+    refusing), and after the reload both train on as a reference that skipped the step."""
+    rank = dist.get_rank()
+    folder, checkpoints = tempfile.mkdtemp(prefix="zs-mixedcut-"), _shared_folder()
+    engine = _engine(stage, folder, offload_optimizer="disk")
+    ref = _engine(stage, tempfile.mkdtemp(prefix="zs-ref-"), offload_optimizer="disk")
+    gen = torch.Generator().manual_seed(31 + rank)
+    warm, *data = [batch(KIND, gen) for _ in range(4)]
+    _step(engine, warm), _step(ref, warm)
+    engine.save_checkpoint(checkpoints, tag="before")
+    out: dict[str, Any] = {"raised": None, "refused": None}
+    try:
+        with inject(engine, "optimizer_step_after" if rank == 0 else "optimizer_step"):
+            _step(engine, data[0])
+    except InjectedFault as e:
+        out["raised"] = str(e)
+    engine.zero_grad()
+    try:
+        losses = [_step(engine, data[1])]
+    except RuntimeError as e:
+        out["refused"] = str(e)
+        engine.load_checkpoint(checkpoints, tag="before")
+        losses = [_step(engine, data[1])]
+    losses.append(_step(engine, data[2]))
+    out.update(losses=losses, ref_losses=[_step(ref, d) for d in data[1:]],
+               same=_same_state(engine, ref))
+    engine.close(), ref.close()
+    return out
+
+
 def _plain(stage: int) -> zs.ZeroEngine:
     model = make_model(KIND)
     return zs.ZeroEngine(model, make_optimizer("adamw", model), zero_config(KIND, stage))
@@ -421,6 +454,8 @@ for _stage in (1, 3):
                  stage=_stage)
 if os.environ.get("ZS_TMPFS"):
     register("real_tmpfs", real_tmpfs, folder=os.environ["ZS_TMPFS"])
+if SIZE > 1 and not NONE:
+    register("mixed_cut_disk_s2", mixed_cut_disk, stage=2)
 if SIZE > 1 and not NONE:  # last: each leaves a group of its own with collectives unmatched
     register("one_rank_disk_full", one_rank_disk_full)
     if not QUICK:
