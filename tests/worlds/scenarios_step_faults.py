@@ -443,7 +443,7 @@ for _stage in range(4):
         if _wanted(_point == "optimizer_step_after" or (_stage == 3 and SIZE == 1)):
             register(f"point_{_point}_s{_stage}", point_fault, stage=_stage, point=_point)
 for _offload in ("cpu", "disk"):
-    for _point in ("backward", "optimizer_step_after"):
+    for _point in ("backward", "optimizer_step", "optimizer_step_after"):
         if _wanted(SIZE == 1):
             register(f"point_{_point}_s3_{_offload}", point_fault, stage=3, point=_point,
                      offload=_offload)
