@@ -39,6 +39,7 @@ def test_resume_with_scheduler_is_bit_exact(world: dict, schedule: str) -> None:
     for r in check(world[f"sched_{schedule}_s2_s2"]):
         assert r["resumed_lrs"] == r["lrs"], "learning rates after resume differ"
         assert r["resumed_losses"] == r["losses"] and r["bit_exact"]
+        assert r["order_warnings"] == [], "the scheduler saw no optimizer.step()"
 
 
 @pytest.mark.parametrize("pair", ["s1_s3", "s3_s2", "s0_s1", "s3_s3off"])

@@ -145,7 +145,12 @@ def scheduler_resume(schedule: str, source: str, target: str) -> dict[str, Any]:
         return engine, SCHEDULES[schedule](engine.user_optimizer)
 
     straight, sched = fresh(target)
-    losses, lrs = _train(straight, sched, data)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses, lrs = _train(straight, sched, data)
+    # torch's schedulers warn when the optimizer they wrap was never stepped: the engine
+    # steps its inner copy, so it records the call on the user's optimizer (step.py)
+    order = [str(w.message) for w in caught if "optimizer.step()" in str(w.message)]
     first, sched1 = fresh(source)
     _train(first, sched1, data[:3])
     path = Path(tempfile.gettempdir()) / f"zs-sched-{schedule}-{source}-{target}-{WORLD}"
@@ -160,7 +165,8 @@ def scheduler_resume(schedule: str, source: str, target: str) -> dict[str, Any]:
     a, b = straight.full_state_dict(), second.full_state_dict()
     return {"lrs": lrs[3:], "resumed_lrs": resumed_lrs, "losses": losses[3:],
             "resumed_losses": resumed_losses,
-            "bit_exact": all(torch.equal(a[k], b[k]) for k in a), "rel": rel_diff(b, a)}
+            "bit_exact": all(torch.equal(a[k], b[k]) for k in a), "rel": rel_diff(b, a),
+            "order_warnings": order}
 
 
 # ---------------------------------------------------------------- 3. exceptions mid-step
