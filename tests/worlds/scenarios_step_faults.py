@@ -307,11 +307,13 @@ def one_rank_point(stage: int, point: str) -> dict[str, Any]:
     return out
 
 
-def mixed_cut_disk(stage: int) -> dict[str, Any]:
-    """Disk tier, N=2: rank 0's optimizer step raises after its update, rank 1's before any
-    (its pre-hook). Alone, rank 1 could zero_grad and go on while rank 0 must reload; the
-    ranks agree instead (``_agree_after_update``: one rank cut short leaves every rank
-    refusing), and after the reload both train on as a reference that skipped the step."""
+def mixed_cut_disk(stage: int, first: str | None) -> dict[str, Any]:
+    """Disk tier, N=2: rank 1's optimizer step raises before any update (its pre-hook); rank
+    0's raises after its update (``first="optimizer_step_after"``) or goes through
+    (``None``). Alone, rank 1 could zero_grad and go on while rank 0's shards moved on; the
+    ranks agree instead (``_agree_after_update``: shards no longer one step's leave every
+    rank refusing), and after the reload both train on as a reference that skipped the
+    step."""
     rank = dist.get_rank()
     folder, checkpoints = tempfile.mkdtemp(prefix="zs-mixedcut-"), _shared_folder()
     engine = _engine(stage, folder, offload_optimizer="disk")
@@ -321,11 +323,12 @@ def mixed_cut_disk(stage: int) -> dict[str, Any]:
     _step(engine, warm), _step(ref, warm)
     engine.save_checkpoint(checkpoints, tag="before")
     out: dict[str, Any] = {"raised": None, "refused": None}
+    point = (first or "optimizer_step_after") if rank == 0 else "optimizer_step"
     try:
-        with inject(engine, "optimizer_step_after" if rank == 0 else "optimizer_step"):
+        with inject(engine, point, fire=rank == 1 or first is not None):
             _step(engine, data[0])
-    except InjectedFault as e:
-        out["raised"] = str(e)
+    except (InjectedFault, PeerCutShort) as e:
+        out["raised"] = f"{type(e).__name__}: {e}"
     engine.zero_grad()
     try:
         losses = [_step(engine, data[1])]
@@ -455,7 +458,8 @@ for _stage in (1, 3):
 if os.environ.get("ZS_TMPFS"):
     register("real_tmpfs", real_tmpfs, folder=os.environ["ZS_TMPFS"])
 if SIZE > 1 and not NONE:
-    register("mixed_cut_disk_s2", mixed_cut_disk, stage=2)
+    register("mixed_cut_disk_s2", mixed_cut_disk, stage=2, first="optimizer_step_after")
+    register("mixed_stepped_disk_s2", mixed_cut_disk, stage=2, first=None)
 if SIZE > 1 and not NONE:  # last: each leaves a group of its own with collectives unmatched
     register("one_rank_disk_full", one_rank_disk_full)
     if not QUICK:
