@@ -406,11 +406,14 @@ def _signals_held() -> Iterator[None]:
 @contextmanager
 def stopped_by_signals() -> Iterator[None]:
     """SIGTERM and SIGHUP raise ``SystemExit`` here as SIGINT raises ``KeyboardInterrupt``,
-    so a ``finally`` (the cluster's teardown) runs on each."""
+    so a ``finally`` (the cluster's teardown) runs on each. SIGINT is taken explicitly: a
+    process started in the background by a non-interactive shell (``cmd &`` in a script, a
+    CI runner) inherits it ignored, and Python then leaves it so."""
     def leave(signum: int, _frame: Any) -> None:
         raise SystemExit(128 + signum)
 
     previous = {s: signal.signal(s, leave) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:

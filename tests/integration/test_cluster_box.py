@@ -125,15 +125,23 @@ def test_the_command_tears_everything_down_on_a_signal(tmp_path: Path, sig: int)
                "1", "--rate", "200mbit", "--prefix", prefix, "--net", "81",
                "--logs", str(tmp_path / "logs"), "--",
                "tests/worlds/cluster_probe.py", str(tmp_path), "--sleep", "300"]
+    # Started with SIGINT ignored, as a script's `cmd &` or a CI runner starts it: Ctrl-C
+    # (a scheduler's SIGINT) must stop it still.
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 180
-    while not all((tmp_path / f"rank{r}.json").exists() for r in (0, 1)):
-        assert proc.poll() is None and time.monotonic() < deadline, "the job never started"
-        time.sleep(0.2)
-    pids = [json.loads((tmp_path / f"rank{r}.json").read_text())["pid"] for r in (0, 1)]
-    proc.send_signal(sig)  # the command alone, as a terminal's Ctrl-C or a scheduler would
-    assert proc.wait(timeout=60) != 0
+                            stderr=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        deadline = time.monotonic() + 180
+        while not all((tmp_path / f"rank{r}.json").exists() for r in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the job never started"
+            time.sleep(0.2)
+        pids = [json.loads((tmp_path / f"rank{r}.json").read_text())["pid"] for r in (0, 1)]
+        proc.send_signal(sig)  # the command alone, as a terminal's Ctrl-C or a scheduler would
+        assert proc.wait(timeout=60) != 0, f"signal {sig} did not stop the command in 60 s"
+    finally:  # a failure here must not leave the cluster up for the next test
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
     assert not {n for n in _namespaces() if n.startswith(prefix + "-")}
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists(), f"worker {pid} outlived the cluster"
