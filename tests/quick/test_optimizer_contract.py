@@ -105,3 +105,14 @@ def test_nonfinite_policy_validation() -> None:
         zs.ZeroConfig(nonfinite_grads="ignore")
     with pytest.raises(ValueError, match="16-mixed' needs nonfinite_grads='skip'"):
         zs.ZeroConfig(precision="16-mixed", nonfinite_grads="off")
+
+
+def test_clipping_bounds_that_clip_nothing_sensible_are_refused(world: dict) -> None:
+    """torch would clip every gradient to zero at max_norm=0; the engine refuses bounds that
+    are not positive (0, below, NaN) naming the argument, and stays usable."""
+    for r in check(world["clip_refusals"]):
+        for arg in ("norm_0", "norm_-1", "norm_nan"):
+            assert r[arg].startswith("max_norm must be > 0, got"), (arg, r[arg])
+        for arg in ("value_0", "value_-1"):
+            assert r[arg].startswith("clip_value must be > 0, got"), (arg, r[arg])
+        assert r["norm"] > 0 and r["stepped"] is True

@@ -323,3 +323,30 @@ for _precision in ("32-true", "bf16-mixed"):
         register(f"nonfinite_{_precision}_{_policy}", nonfinite, precision=_precision,
                  policy=_policy)
 register("placements", placements)
+
+
+def clip_refusals() -> dict[str, Any]:
+    """A clipping bound that clips nothing sensible (0, below, NaN) is refused by name, and
+    the pass can still be clipped and stepped after the refusal."""
+    torch.manual_seed(0)
+    model = Net()
+    engine = engine_for(model, "s2")
+    data = batches(torch.Generator().manual_seed(4), WORLD)
+    engine.backward(loss_plain(engine, model, data[dist.get_rank()]))
+    out: dict[str, Any] = {}
+    for name, call in {"norm_0": lambda: engine.clip_grad_norm_(0.0),
+                       "norm_-1": lambda: engine.clip_grad_norm_(-1.0),
+                       "norm_nan": lambda: engine.clip_grad_norm_(float("nan")),
+                       "value_0": lambda: engine.clip_grad_value_(0.0),
+                       "value_-1": lambda: engine.clip_grad_value_(-1.0)}.items():
+        try:
+            call()
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
+    out["norm"] = float(engine.clip_grad_norm_(1.0))
+    out["stepped"] = engine.step()
+    return out
+
+
+register("clip_refusals", clip_refusals)
