@@ -198,18 +198,25 @@ def point_fault(stage: int, point: str, offload: str = "none") -> dict[str, Any]
     engine.zero_grad()
     engine.settle_tier()
     out["census_before"], out["census_after"] = before, census(folder)
-    try:
-        losses = [_step(engine, data[1])]
-    except RuntimeError as e:
-        out["refused"] = str(e)
-        engine.load_checkpoint(checkpoints, tag="before")
-        losses = [_step(engine, data[1])]
-    losses.append(_step(engine, data[2]))
-    out.update(losses=losses, ref_losses=[_step(ref, d) for d in data[1:]],
-               same=_same_state(engine, ref))
+    _train_on(engine, ref, data[1:], checkpoints, out)
     engine.close(), ref.close()
     out["left"] = os.listdir(folder)
     return out
+
+
+def _train_on(engine: zs.ZeroEngine, ref: zs.ZeroEngine, data: list[Any], checkpoints: str,
+              out: dict[str, Any]) -> None:
+    """After the fault: two steps, loading the checkpoint "before" first where the engine
+    refuses (``out["refused"]``), beside the reference's same two steps."""
+    try:
+        losses = [_step(engine, data[0])]
+    except RuntimeError as e:
+        out["refused"] = str(e)
+        engine.load_checkpoint(checkpoints, tag="before")
+        losses = [_step(engine, data[0])]
+    losses.append(_step(engine, data[1]))
+    out.update(losses=losses, ref_losses=[_step(ref, d) for d in data],
+               same=_same_state(engine, ref))
 
 
 def _shared_folder() -> str:
@@ -330,15 +337,7 @@ def mixed_cut_disk(stage: int, first: str | None) -> dict[str, Any]:
     except (InjectedFault, PeerCutShort) as e:
         out["raised"] = f"{type(e).__name__}: {e}"
     engine.zero_grad()
-    try:
-        losses = [_step(engine, data[1])]
-    except RuntimeError as e:
-        out["refused"] = str(e)
-        engine.load_checkpoint(checkpoints, tag="before")
-        losses = [_step(engine, data[1])]
-    losses.append(_step(engine, data[2]))
-    out.update(losses=losses, ref_losses=[_step(ref, d) for d in data[1:]],
-               same=_same_state(engine, ref))
+    _train_on(engine, ref, data[1:], checkpoints, out)
     engine.close(), ref.close()
     return out
 
