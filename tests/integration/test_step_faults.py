@@ -15,6 +15,7 @@ import pytest
 from tests.support.faults import (
     assert_activation_fault_recovered,
     assert_checkpoint_write_fault_handled,
+    assert_mixed_refusal,
     assert_one_rank_tier_fault_agreed,
     assert_peer_names_failed_rank,
     assert_point_fault_handled,
@@ -41,6 +42,8 @@ def test_the_whole_grid(size: int) -> None:
             assert_one_rank_tier_fault_agreed(*check(per_rank))
         elif name.startswith("tier_disk_full"):
             assert_tier_fault_handled(check(per_rank)[0])
+        elif name.startswith("mixed_"):
+            assert_mixed_refusal(name, check(per_rank))
         elif name == "one_rank_disk_full":
             assert_peer_names_failed_rank(*check(per_rank))
         elif name.startswith("one_rank_"):
@@ -53,7 +56,8 @@ def test_the_whole_grid(size: int) -> None:
             for r in check(per_rank):
                 assert_point_fault_handled(r, point)
     points = [n for n in results if n.startswith("point_")]
-    assert len(points) == 9 * 4 + 4, sorted(results)  # every point at every stage, offloads
+    # every point at every stage; three points under each of the two offloads
+    assert len(points) == 9 * 4 + 6, sorted(results)
 
 
 @pytest.fixture

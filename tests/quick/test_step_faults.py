@@ -14,14 +14,13 @@ first step loaded after training."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from tests.support.faults import (
     POINTS,
     assert_activation_fault_recovered,
     assert_checkpoint_write_fault_handled,
+    assert_mixed_refusal,
     assert_one_rank_tier_fault_agreed,
     assert_peer_names_failed_rank,
     assert_point_fault_handled,
@@ -92,24 +91,14 @@ def test_one_rank_cut_short_after_its_update_makes_every_rank_refuse(two: dict) 
     """Disk tier: rank 0 raised after updating, rank 1 before; both refuse until the reload
     (rank 1 would otherwise train on from a state rank 0 no longer shares), then match a
     reference that skipped the step."""
-    _assert_mixed(check(two["mixed_cut_disk_s2"]), "InjectedFault: injected fault: "
-                  "optimizer_step_after")
+    assert_mixed_refusal("mixed_cut_disk_s2", check(two["mixed_cut_disk_s2"]))
 
 
 def test_one_rank_raising_before_its_update_makes_a_rank_that_stepped_refuse(two: dict
                                                                               ) -> None:
     """Disk tier: rank 0 stepped, rank 1 raised before updating: rank 0 raises PeerCutShort
     naming rank 1, and both refuse until the reload (their shards are of different steps)."""
-    _assert_mixed(check(two["mixed_stepped_disk_s2"]), "PeerCutShort: rank(s) [1]")
-
-
-def _assert_mixed(results: list[Any], rank0_raised: str) -> None:
-    for rank, r in enumerate(results):
-        raised = rank0_raised if rank == 0 else "InjectedFault: injected fault: optimizer_step"
-        assert r["raised"] is not None and r["raised"].startswith(raised), (rank, r["raised"])
-        assert r["refused"] is not None and "reload the last checkpoint" in r["refused"], r
-        assert r["losses"] == r["ref_losses"]
-        assert r["same"] == {"weights": True, "optimizer": True}
+    assert_mixed_refusal("mixed_stepped_disk_s2", check(two["mixed_stepped_disk_s2"]))
 
 
 @pytest.mark.parametrize("size", [1, 2])

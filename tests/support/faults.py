@@ -253,6 +253,20 @@ def assert_one_rank_tier_fault_agreed(failed: dict[str, Any], peer: dict[str, An
     assert peer["left"] == []
 
 
+def assert_mixed_refusal(name: str, results: list[dict[str, Any]]) -> None:
+    """Disk tier, N=2 (``mixed_cut_disk``): rank 1 raised before its update; rank 0 raised
+    after its own (``mixed_cut_*``) or stepped and raised ``PeerCutShort`` naming rank 1
+    (``mixed_stepped_*``). Both refuse until the reload, then train as the reference."""
+    first = ("PeerCutShort: rank(s) [1]" if name.startswith("mixed_stepped")
+             else "InjectedFault: injected fault: optimizer_step_after")
+    for rank, r in enumerate(results):
+        raised = first if rank == 0 else "InjectedFault: injected fault: optimizer_step"
+        assert r["raised"] is not None and r["raised"].startswith(raised), (rank, r["raised"])
+        assert r["refused"] is not None and "reload the last checkpoint" in r["refused"], r
+        assert r["losses"] == r["ref_losses"]
+        assert r["same"] == {"weights": True, "optimizer": True}
+
+
 def assert_peer_names_failed_rank(failed: dict[str, Any], peer: dict[str, Any]) -> None:
     assert failed["raised"] == "DiskFullError", failed
     assert peer["raised"] in ("CollectiveTimeout", "CollectiveError"), peer
