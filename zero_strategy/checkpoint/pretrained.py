@@ -434,14 +434,14 @@ def _engine_entries(engine: EngineView, root: str, dtypes: dict[str, torch.dtype
     out, current = {}, {}
     for key, t in engine.module.state_dict(keep_vars=True).items():
         if key.startswith(root):
-            rel = key[len(root):]
-            rel = built.built_key(t, rel, out) if built is not None else rel
+            own = key[len(root):]
+            rel = built.built_key(t, own, out) if built is not None else own
             if rel in out:  # an untouched key and a moved one now both claim it
                 raise CheckpointError(f"model keys {root + current[rel]!r} and {key!r} both "
                                       f"stand for {rel!r} of the pretrained model")
             dtype = engine.original_dtypes.get(id(t), dtypes.get(root + rel, t.dtype))
             out[rel] = (id(t), shapes.get(id(t), t.shape), dtype)
-            current[rel] = key[len(root):]
+            current[rel] = own
     return out, names, current
 
 

@@ -83,7 +83,9 @@ def _embedding(rules: dict[str, Callable[[torch.Tensor], Any]]) -> Callable[[nn.
     return apply
 
 
-def _config_of(where: str, adapter: str, configs: dict[str, Any]) -> Any:
+def _init_of(where: str, adapter: str, configs: dict[str, Any]) -> Any:
+    """The adapter's ``init_lora_weights`` as one of ``RULES`` (a string lower-cased), or a
+    refusal naming what needs the base weights."""
     config = configs.get(adapter)
     if config is None:
         raise _refuse(f"{where} adapter {adapter!r}", "an adapter without a config in its "
@@ -95,7 +97,7 @@ def _config_of(where: str, adapter: str, configs: dict[str, Any]) -> Any:
     if not any(init is rule or (isinstance(init, str) and init.lower() == rule)
                for rule in RULES):
         raise _refuse(f"{where} adapter {adapter!r}", f"init_lora_weights={init!r}")
-    return config
+    return init.lower() if isinstance(init, str) else init
 
 
 def _meta_adapters(layer: nn.Module) -> list[str]:
@@ -111,13 +113,11 @@ def _prepare_layer(where: str, layer: nn.Module, configs: dict[str, Any], peft: 
         raise _refuse(where, f"a {type(layer).__name__} adapter (a tuner other than LoRA)")
     embedding_a, embedding_b = {}, {}
     for adapter in adapters:
-        config = _config_of(where, adapter, configs)
+        init = _init_of(where, adapter, configs)
         variant = getattr(layer, "lora_variant", {}).get(adapter)
         if variant is not None:
             raise _refuse(f"{where} adapter {adapter!r}", f"the LoRA variant "
                           f"{type(variant).__name__}")
-        init = config.init_lora_weights
-        init = init.lower() if isinstance(init, str) else init
         if adapter in layer.lora_A:
             set_module_init([layer.lora_A[adapter]], _linear_a(init, layer.r[adapter]))
             set_module_init([layer.lora_B[adapter]], _linear_b(init))
