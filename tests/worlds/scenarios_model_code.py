@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zero_strategy as zs
 from tests.support.harness import register
@@ -249,6 +250,9 @@ def toggle(kind: str) -> Callable[[int, nn.Module, torch.optim.Optimizer], None]
             opt.add_param_group({"params": list(model.blk.parameters()), "lr": 0.05})
         elif kind == "unfreeze_no_group" and step == 2:
             model.blk.requires_grad_(True)
+        elif kind == "unfreeze_part_in_group" and step == 2:  # the bias trains in no group
+            model.blk.requires_grad_(True)
+            opt.add_param_group({"params": [model.blk.lin.weight], "lr": 0.05})
     return before_step
 
 
@@ -268,6 +272,11 @@ def trainability(kind: str, layout: str) -> dict[str, Any]:
                      select=select if frozen_at_start else None)
     engine = out.pop("engine")
     out["blk_grad_none"] = all(p.grad is None for p in engine.module.blk.parameters())
+    # close() gives back every parameter, those taken over after wrapping too
+    full = engine.full_state_dict()
+    closed = engine.close().state_dict()
+    out["close_equal"] = sorted(closed) == sorted(full) and all(
+        torch.equal(closed[k], v) and closed[k].dtype == v.dtype for k, v in full.items())
     return out
 
 
@@ -451,6 +460,117 @@ def swapped_gather_order(mode: str) -> dict[str, Any]:
             "then_trains": max((trained[k] - v).abs().max().item() for k, v in expected.items())}
 
 
+# ---------------------------------------------------------------- buffers and late parameters
+class NormNet(nn.Module):
+    """BatchNorm's running statistics, buffers each rank updates from its own batch; and
+    ``extra``, frozen at construction, whose loss term is its own, so that adopting it later
+    changes no other parameter's gradient (the DDP reference never trains it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(17, D)
+        self.lin = nn.Linear(D, D, bias=False)  # a bias before BatchNorm gets exactly zero
+        self.bn = nn.BatchNorm1d(D)
+        self.head = nn.Linear(D, 3)
+        self.extra = nn.Parameter(torch.zeros(3), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.head(torch.relu(self.bn(self.lin(self.emb(ids).mean(1))))), self.extra * 1.0
+
+
+def _norm_loss(call: Any, b: dict) -> torch.Tensor:
+    logits, extra = call(b["ids"])
+    return torch.nn.functional.cross_entropy(logits, b["y"]) + (extra - 1).square().sum()
+
+
+def _ddp_run(broadcast: bool, steps: int) -> nn.Module:
+    torch.manual_seed(0)
+    model = NormNet()
+    ddp = DDP(model, broadcast_buffers=broadcast)
+    opt = optimizer_for(model, [p for p in model.parameters() if p.requires_grad])
+    gen = torch.Generator().manual_seed(77)
+    for _ in range(steps):
+        _norm_loss(ddp, batches(gen, dist.get_world_size())[dist.get_rank()]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model
+
+
+def buffers(layout: str, broadcast: bool, steps: int = 3) -> dict[str, Any]:
+    """Each rank's buffers and the weights against DDP's with the same ``broadcast_buffers``
+    (broadcast from rank 0 before every forward, or each rank's own), with ``extra`` joining
+    the optimizer after the first step (``add_param_group``): the buffers are still
+    broadcast after the engine took a parameter over."""
+    torch.manual_seed(0)
+    model = NormNet()
+    opt = optimizer_for(model, [p for p in model.parameters() if p.requires_grad])
+    engine = zs.ZeroEngine(model, opt, zs.ZeroConfig(**LAYOUTS[layout],
+                                                     broadcast_buffers=broadcast))
+    gen = torch.Generator().manual_seed(77)
+    for step in range(steps):
+        if step == 1:
+            model.extra.requires_grad_(True)
+            opt.add_param_group({"params": [model.extra]})
+        engine.backward(_norm_loss(engine, batches(gen, dist.get_world_size())[dist.get_rank()]))
+        engine.step()
+    full = engine.full_state_dict()
+    own, other = _ddp_run(broadcast, steps), _ddp_run(not broadcast, steps)
+    names = [n for n, _ in own.named_buffers()]
+    ours = {n: b.clone() for n, b in model.named_buffers()}
+    return {
+        "buffers_rel": rel_diff({n: ours[n].float() for n in names},
+                                {n: b.float() for n, b in own.named_buffers()}),
+        # on rank 0 the two settings agree (it is the source); elsewhere they must differ,
+        # or this scenario could not tell them apart
+        "flag_gap": rel_diff({n: b.float() for n, b in own.named_buffers()},
+                             {n: b.float() for n, b in other.named_buffers()}),
+        "weights_rel": rel_diff({k: v for k, v in full.items() if k != "extra"},
+                                {n: p.detach() for n, p in own.named_parameters()
+                                 if n != "extra"}),
+        "extra": full["extra"].tolist(),
+    }
+
+
+def adoption_refusals(layout: str) -> dict[str, Any]:
+    """``add_param_group`` while gradients wait (accumulated under ``no_sync()``, or reduced
+    for a step not yet taken), and over parameters that already hold a ``.grad``: the next
+    forward refuses by name; ``zero_grad()`` (or clearing the ``.grad``) lets training on."""
+    torch.manual_seed(0)
+    model = Net()
+    model.blk.requires_grad_(False)
+    opt = optimizer_for(model, [p for p in model.parameters() if p.requires_grad])
+    engine = zs.ZeroEngine(model, opt, zs.ZeroConfig(**LAYOUTS[layout]))
+    data = batches(torch.Generator().manual_seed(1), dist.get_world_size())[dist.get_rank()]
+    out: dict[str, Any] = {}
+
+    def forward_after_adding(name: str) -> None:
+        try:
+            engine(data["ids"])
+            out[name] = "no error"
+        except RuntimeError as e:
+            out[name] = str(e)
+
+    with engine.no_sync():
+        engine.backward(loss_plain(engine, model, data))
+    model.blk.requires_grad_(True)
+    opt.add_param_group({"params": [model.blk.lin.weight]})
+    forward_after_adding("accumulating")
+    forward_after_adding("accumulating_again")  # still pending: refused again, not adopted
+    engine.zero_grad()
+    engine.backward(loss_plain(engine, model, data))
+    out["adopted_steps"] = engine.step()
+    engine.backward(loss_plain(engine, model, data))
+    opt.add_param_group({"params": [model.blk.lin.bias]})
+    forward_after_adding("reduced")
+    engine.step()
+    model.blk.lin.bias.grad = torch.ones_like(model.blk.lin.bias)
+    forward_after_adding("stale")
+    model.blk.lin.bias.grad = None
+    engine.backward(loss_plain(engine, model, data))
+    out["then_steps"] = engine.step()
+    return out
+
+
 # torch.compile costs seconds a scenario on 2 cores (inductor), so its scenarios make a world
 # of their own (tests/integration/test_model_code_compiled.py), chosen by ZS_COMPILED=1.
 _COMPILED_WORLD = __import__("os").environ.get("ZS_COMPILED") == "1"
@@ -464,11 +584,16 @@ for _layout in LAYOUTS if not _COMPILED_WORLD else ():
     register(f"load_convert_{_layout}", load_and_convert, layout=_layout)
     register(f"gathered_edit_{_layout}", gathered_edit, layout=_layout)
     register(f"read_only_{_layout}", read_only_edit_refused, layout=_layout)
-    for _kind in ("freeze_at_2", "every_step", "unfreeze_add_group", "unfreeze_no_group"):
+    for _kind in ("freeze_at_2", "every_step", "unfreeze_add_group", "unfreeze_no_group",
+                  "unfreeze_part_in_group"):
         register(f"trainability_{_kind}_{_layout}", trainability, kind=_kind, layout=_layout)
     register(f"dtypes_{_layout}", dtypes, layout=_layout)
     register(f"stray_grad_{_layout}", stray_grad, layout=_layout)
     register(f"moe_{_layout}", moe, layout=_layout)
+    for _broadcast in (True, False):
+        register(f"buffers_{_broadcast}_{_layout}", buffers, layout=_layout,
+                 broadcast=_broadcast)
+    register(f"adoption_refusals_{_layout}", adoption_refusals, layout=_layout)
 if not _COMPILED_WORLD:
     register("moe_s3fine_leaf", moe, layout="s3fine", leaf=True)
 for _layout in ("s0", "s2", "s3coarse", "s3fine") if _COMPILED_WORLD else ():
