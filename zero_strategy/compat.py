@@ -178,6 +178,12 @@ TORCH = (
     Attribute(owner="torch.distributed:ProcessGroup", name="_reduce_scatter_base",
               why="comm/collectives.py: gloo's reduce-scatter with the timeout in its options "
                   "(its work ignores wait(timeout))"),
+    Attribute(owner="torch.autograd", name="_profiler_enabled",
+              why="comm/collectives.py: whether a profiler runs, so point-to-point works "
+                  "start unrecorded (a record ending after the profiler stopped corrupts it)"),
+    Attribute(owner="torch.autograd", name="_enable_record_function",
+              why="comm/collectives.py: the thread's record functions off while a "
+                  "point-to-point work starts under a profiler"),
 )
 
 # ---------------------------------------------------------------- Lightning

@@ -351,3 +351,12 @@ def test_a_failed_collective_names_the_rank_it_exchanged_with(world: tuple[int, 
             assert "exchanging" not in r["backend"], r
         if rank != 0:
             assert "rank 0 failed: InjectedFault in forward" in r["side"], r
+
+
+def test_profiled_steps_then_close_keep_the_heap_whole(world: tuple[int, dict]) -> None:
+    # The crash was the ranks dying in gc.collect() (a segfault, or glibc's "free(): invalid
+    # next size"): the world then has no result for this scenario.
+    assert "profiled_steps_then_close" in world[1], "the world died in the profiled scenario"
+    for r in check(world[1]["profiled_steps_then_close"]):
+        for stage in (1, 3):  # the profile still shows the engine's own scopes
+            assert {"zero::forward", "zero::backward"} <= set(r[f"s{stage}_scopes"]), r

@@ -300,3 +300,43 @@ def errors_name_the_peer() -> dict[str, Any]:
     return {"backend": str(comm._error("all_gather", cause)),
             "direct": str(comm._error("reduce_scatter", cause, (comm.rank + 1) % comm.world_size)),
             "side": on_side}
+
+
+def _trainer(engine: zs.ZeroEngine, gen: torch.Generator) -> Any:
+    def step() -> None:
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 5, generator=gen)
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    return step
+
+
+@scenario
+def profiled_steps_then_close() -> dict[str, Any]:
+    """A profiler window over two steps, as users take one (torch.profiler around steps 2-3),
+    then training on and ``close()``: the exchanges started in the window and waited after it
+    (stage 1's gather of the updated weights into the next forward, stage 3's prefetch)
+    must not end a profiler record after the profiler stopped. torch's gloo works did, which
+    corrupted the heap: the profiler's result crashed the process when freed (below)."""
+    import gc
+
+    from torch.profiler import ProfilerActivity, profile
+
+    out: dict[str, Any] = {}
+    for stage in (1, 3):
+        torch.manual_seed(0)
+        model = MLP(d_in=16, hidden=64, d_out=5)
+        engine = zs.ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                               zs.ZeroConfig(stage=stage))
+        gen = torch.Generator().manual_seed(dist.get_rank())
+        step = _trainer(engine, gen)
+        step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+            step()
+        step()
+        engine.close()
+        out[f"s{stage}_scopes"] = sorted({e.name for e in prof.events()
+                                          if e.name.startswith("zero::")})
+        del prof
+        gc.collect()  # frees the profiler's result: where the corruption crashed
+    return out

@@ -31,7 +31,7 @@ import os
 import pickle
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -44,6 +44,24 @@ from .store import REPORT_WAIT_S, Ledger, StoreSilent
 # torch 2.13 renamed the flat collectives; older releases (>= 2.4) only have the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@contextmanager
+def _unprofiled() -> Iterator[None]:
+    """Point-to-point works started with no profiler record. Under a profiler, torch (2.13,
+    gloo) gives such a work a record that ends when the work is waited; ours are often
+    waited after the call that started them (a gather prefetched for the next step), and a
+    record ending after the profiler stopped writes into the profiler's freed state: heap
+    corruption, then a segfault at exit (a profile of steps 2-4, then ``engine.close()``).
+    The ``zero::`` scopes still mark where the engine waits."""
+    if not torch.autograd._profiler_enabled():
+        yield
+        return
+    torch.autograd._enable_record_function(False)
+    try:
+        yield
+    finally:
+        torch.autograd._enable_record_function(True)
 
 
 class CollectiveError(RuntimeError):
@@ -596,9 +614,10 @@ class Communicator:
     def _starting(self, op: str, peer: int | None = None) -> Iterator[None]:
         """Around the call that starts a collective: gloo sends on the caller's thread, so
         a peer gone already fails there (``Connection closed by peer``), not in the wait;
-        that error becomes ours too."""
+        that error becomes ours too. A point-to-point start (``peer``) is unprofiled."""
         try:
-            yield
+            with _unprofiled() if peer is not None else nullcontext():
+                yield
         except RuntimeError as e:
             raise self._error(op, e, peer) from e
 
