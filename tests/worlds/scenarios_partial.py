@@ -202,8 +202,10 @@ def trainability_disagreement() -> dict[str, Any]:
     model = _model("last_block")
     engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=LR), _config(3))
     sent = []
-    for step in range(3):
-        if step == 2:
+    # Four steps: the first has no forward before it, so it keeps no unit whole for its
+    # backward (``Runtime._backward_head``) and sends a little more than the next.
+    for step in range(4):
+        if step == 3:
             for p in model.transformer.h[0].parameters():
                 p.requires_grad_(True)
         before = dict(engine.comm_bytes())
@@ -233,8 +235,9 @@ register("trainability_disagreement", trainability_disagreement)
 
 def prefetch_depths() -> dict[str, Any]:
     """Full fine-tune at stage 3 with ``prefetch_units`` 1, 2 and 3: as a block starts its
-    forward, the other blocks gathered or gathering (the ones ahead: those behind are freed);
-    and the losses, which the depth must not change."""
+    forward, the other blocks gathered or gathering, ahead of it and behind it (those behind
+    are freed, but the ones kept whole for backward); and the losses, which the depth must
+    not change."""
     return {str(depth): _with_depth(depth) for depth in (1, 2, 3)}
 
 
@@ -246,24 +249,28 @@ def _with_depth(depth: int) -> dict[str, Any]:
     engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=LR), config)
     blocks = list(model.transformer.h)
     ahead: list[int] = []
+    behind: list[int] = []
 
     def count(module: Any, args: Any) -> None:
-        ahead.append(sum(1 for u in engine.units if u.module in blocks
-                         and u.module is not module
-                         and u.param_store.state is not ParamState.SHARDED))
+        i = blocks.index(module)
+        whole = {blocks.index(u.module) for u in engine.units if u.module in blocks
+                 and u.param_store.state is not ParamState.SHARDED}
+        ahead.append(sum(1 for j in whole if j > i))
+        behind.append(sum(1 for j in whole if j < i))
 
     for block in blocks:
         block.register_forward_pre_hook(count)
     losses = []
     for x in _batches(rank, world):
         ahead.clear()  # the last step's: the first has no order to prefetch along
+        behind.clear()
         loss = engine(input_ids=x, labels=x).loss
         engine.backward(loss)
         engine.step()
         engine.zero_grad()
         losses.append(loss.item())
     engine.close()
-    return {"ahead": ahead, "losses": losses}
+    return {"ahead": ahead, "behind": behind, "losses": losses}
 
 
 register("prefetch_depths", prefetch_depths)

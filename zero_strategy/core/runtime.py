@@ -25,6 +25,9 @@ different code (mixture-of-experts routing leaves an expert unused on one rank o
   gradients arrive), so a step gathers each unit once for forward and once for backward as
   without checkpointing; and since backward then needs units block by block, each block's in
   forward order, it prefetches along the order the previous backward needed them;
+- the forward's last ``prefetch`` units (the root aside, which stays whole anyway) are not
+  freed after their forward: backward needs them first, and freed they would be gathered
+  again at once. Which ones is decided from the last forward, which every rank ran alike;
 - stage-3 gathers follow the modules that run, so with ``check_gather_order`` each gather is
   accompanied by a tiny all-gather of the unit's index, and ranks that disagree raise an
   error naming both units instead of exchanging the wrong shards or hanging. When the group
@@ -192,6 +195,8 @@ class Runtime(StateMachine):
         region, each in forward order, not in reverse forward order): backward prefetches
         along it. Empty: along the reverse of the forward."""
         self._in_order: set[int] = set()
+        self._kept: set[int] = set()
+        """Units this forward keeps whole for the backward (``_backward_head``)."""
         self._callback_queued = False
         self._launched: list[Unit] = []
         self._resting: list[Unit] = []
@@ -431,6 +436,21 @@ class Runtime(StateMachine):
         if self._order:
             self._previous_order = self._order
         self._order, self._in_order, self._hooked = [], set(), set()
+        self._kept = self._backward_head()
+
+    def _backward_head(self) -> set[int]:
+        """The units a forward keeps whole for the backward that follows: the last
+        ``prefetch`` units the last forward gathered (the root aside, which stays whole), the
+        first that backward needs. Freed and gathered again at once, their bytes would cross
+        the link twice more per step while the head's compute leaves it idle; kept, they are
+        the units backward would have prefetched, within the same budget. Decided from the
+        last forward, which every rank ran alike (its gathers' order is checked); none
+        after a backward that recomputed, whose order is not the reverse of the forward."""
+        if not self.prefetch or self._backward_plan:
+            return set()
+        gathered = [u for u in self._previous_order
+                    if u is not self.root_unit and u.param_store.gathers]
+        return {u.index for u in gathered[-self.prefetch:]}
 
     def end_forward(self) -> None:
         self._to("end_forward" if torch.is_grad_enabled() else "end_forward_no_grad")
@@ -508,6 +528,8 @@ class Runtime(StateMachine):
             # Inference: nothing will need the parameters again (but what a
             # gathered_parameters() block holds: generate() inside one gathers once).
             self.reshard_all()
+        elif hooked and unit.index in self._kept:
+            return  # backward needs it first (``_backward_head``): freed when reduced
         elif unit is not self.root_unit and (hooked or not torch.is_grad_enabled()
                                              or self._out_of_backward(unit, leaves)):
             # Only free what a pre-backward hook can bring back, or what no backward will

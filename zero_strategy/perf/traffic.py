@@ -8,7 +8,8 @@ A step's collectives follow the engine (``core/plan.py``, ``core/params.py``,
 - stages 1-2: a reduce-scatter of the gradients and, after the optimizer step, an all-gather
   of the updated parameters, both within the shard group;
 - stage 3: an all-gather of each unit before its forward and again before its backward
-  (but the root unit's, which stays whole from its forward to its backward), and a
+  (but the root unit's and the forward's last ``prefetch_units``, which stay whole from
+  their forward to their backward), and a
   reduce-scatter of its gradients; small parameters (``param_persistence_threshold``) stay
   whole on every rank and are reduced and gathered as at stage 2;
 - hybrid sharding (``shard_group_size=G``): the groups of G consecutive ranks do the above
@@ -137,7 +138,8 @@ class ModelUnits:
     units: tuple[int, ...]
     """Elements of each communicated unit (stage 3: the gathered ones; else the buckets)."""
     kept: int = 0
-    """Stage 3: elements of the root unit, gathered once for forward and backward."""
+    """Stage 3: elements gathered once for forward and backward: the root unit's and those of
+    the last ``prefetch_units`` units of the forward, which backward needs first."""
     persistent: tuple[int, ...] = ()
     """Stage 3: elements of each bucket of small parameters that stay whole."""
 
@@ -157,7 +159,7 @@ def model_units(model: torch.nn.Module, config: ZeroConfig, layout: Layout) -> M
     do): each laid out over the shard group as the engine lays it out, padding included."""
     plan = make_plan(config, layout.shards)
     managed = [(n, p) for n, p in model.named_parameters()]
-    sizes, kept, persistent = [], 0, []
+    sizes, root, gathered, persistent = [], 0, [], []
     shards = plan.optimizer_shards
     for spec in plan_specs(model, managed, plan):
         flat = make_layout([(n, p.shape, 0) for n, p in spec.params], shards).padded_numel
@@ -165,9 +167,16 @@ def model_units(model: torch.nn.Module, config: ZeroConfig, layout: Layout) -> M
             persistent.append(flat)
         else:
             sizes.append(flat)
-            if plan.stage == 3 and spec.name == "":
-                kept = flat
-    return ModelUnits(tuple(sizes), kept, tuple(persistent))
+            if spec.name == "":
+                root = flat
+            else:
+                gathered.append(flat)
+    # Whole from forward to backward: the root, and the last units the forward gathers
+    # (``Runtime._backward_head``: backward's first; here in registration order, which is
+    # the forward's in the models predicted)
+    ahead = plan.prefetch_units if plan.prefetch else 0
+    kept = root + sum(gathered[-ahead:]) if plan.stage == 3 and ahead else root
+    return ModelUnits(tuple(sizes), kept if plan.stage == 3 else 0, tuple(persistent))
 
 
 @dataclass(frozen=True)
