@@ -153,9 +153,9 @@ def test_link_timeline_accounts_for_the_steps_bytes(tmp_path: Path) -> None:
     TCP/IP headers, 0.2% over the payload at 1500-byte frames, and the small collectives it
     leaves out fit in 3%), its busy time and idle stretches fit inside the step, and the
     stretches name a scope the engine or the script opened."""
+    import compare
     import torch
 
-    import compare
     import zero_strategy as zs
     from zero_strategy.perf import Layout, Options, model_units, node_bytes, step_collectives
 

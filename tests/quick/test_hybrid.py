@@ -41,16 +41,20 @@ def test_hybrid_with_int8_gradients_tracks_ddp(world4: dict) -> None:
 
 def test_traffic_within_and_across_groups(world4: dict) -> None:
     """Per step at stage 3, by the ring volumes each rank sends: inside a group of 2, two
-    gathers and a reduce-scatter of each unit (3 x 1/2 of the padded unit); across the 2
-    groups, an all-reduce of this rank's gradient shard (2 x 1/2 of it). Over 4 ranks
-    without groups: 3 x 3/4 of the padded unit."""
+    gathers and a reduce-scatter of each unit (3 x 1/2 of the padded unit), but one gather of
+    the units whole from forward to backward (the root, the forward's last ones); across the
+    2 groups, an all-reduce of this rank's gradient shard (2 x 1/2 of it). Over 4 ranks
+    without groups: 3/4 of each of those. Within 1%: the step's small collectives (the
+    clipping norm, the used flags, the gather-order headers) are bytes beside ~140 kB."""
     for r in check(world4["hybrid_traffic"]):
         hybrid, flat = r["hybrid"], r["flat"]
+        assert hybrid["kept_numel"] > 0 and flat["kept_numel"] > 0
         shard_bytes = 4 * hybrid["shard_numel"]
         assert hybrid["across_groups"] == pytest.approx(shard_bytes, rel=0.02)
-        assert hybrid["within_groups"] == pytest.approx(3 / 2 * 4 * hybrid["padded_numel"],
-                                                        rel=0.05)
-        assert flat["total"] == pytest.approx(3 * 3 / 4 * 4 * flat["padded_numel"], rel=0.05)
+        sent = 3 * hybrid["padded_numel"] - hybrid["kept_numel"]
+        assert hybrid["within_groups"] == pytest.approx(1 / 2 * 4 * sent, rel=0.01)
+        sent = 3 * flat["padded_numel"] - flat["kept_numel"]
+        assert flat["total"] == pytest.approx(3 / 4 * 4 * sent, rel=0.01)
         assert "across_groups" not in flat
         # int8 across groups (qgZ): a reduce-scatter and an all-gather of the shard as int8
         # with one fp32 scale per 256 values: 1/2 + 1/2 of it at 1 + 4/256 bytes a value,

@@ -119,14 +119,15 @@ def _io(engine: zs.ZeroEngine) -> tuple[int, int, int]:
 
 def _reads_without_keeping(engine: zs.ZeroEngine, stepped: bool) -> int:
     """What one steady step reads when nothing stays for the next phase, from the units'
-    files: every gathered shard in forward, again in backward but the root's (gathered for
-    the whole pass), and every file the optimizer step reads (master, gradient, states)."""
+    files: every gathered shard in forward, again in backward but the root's and the
+    forward's last ones' (whole from their forward to their backward), and every file the
+    optimizer step reads (master, gradient, states)."""
     tier = engine.tier
     assert tier is not None
     gathered = [u for u in engine.units if u.param_store.gathers]
     forward = sum(tier.file_bytes([u.param_store.shard]) for u in gathered)
-    backward = sum(tier.file_bytes([u.param_store.shard]) for u in gathered
-                   if u is not engine.runtime.root_unit)
+    whole = {engine.runtime.root_unit} | {u for u in gathered if u.index in engine.runtime._kept}
+    backward = sum(tier.file_bytes([u.param_store.shard]) for u in gathered if u not in whole)
     step = sum(tier.file_bytes(engine.optimizer.where.step_tensors(u)) for u in engine.units)
     return forward + backward + (step if stepped else 0)
 

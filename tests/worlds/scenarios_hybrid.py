@@ -71,6 +71,11 @@ def hybrid_traffic() -> dict[str, Any]:
         out[name] = {k: after[k] - before.get(k, 0) for k in after}
         out[name]["shard_numel"] = sum(u.layout.shard_numel for u in engine.units)
         out[name]["padded_numel"] = sum(u.layout.padded_numel for u in engine.units)
+        # whole from their forward to their backward, gathered once: the root, and the
+        # forward's last units
+        out[name]["kept_numel"] = sum(u.layout.padded_numel for u in engine.units
+                                      if u.index in engine.runtime._kept
+                                      or u is engine.runtime.root_unit)
         # int8 across the 2 groups: each shard padded to whole blocks of both halves
         out[name]["int8_crossing_numel"] = sum(
             -(-u.layout.shard_numel // (2 * 256)) * 2 * 256 for u in engine.units)

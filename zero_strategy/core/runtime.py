@@ -444,9 +444,10 @@ class Runtime(StateMachine):
         first that backward needs. Freed and gathered again at once, their bytes would cross
         the link twice more per step while the head's compute leaves it idle; kept, they are
         the units backward would have prefetched, within the same budget. Decided from the
-        last forward, which every rank ran alike (its gathers' order is checked); none
-        after a backward that recomputed, whose order is not the reverse of the forward."""
-        if not self.prefetch or self._backward_plan:
+        last forward, which every rank ran alike (its gathers' order is checked). Under
+        activation checkpointing they are the last region's, which backward recomputes
+        first: kept, they are not gathered for the recomputation either."""
+        if not self.prefetch:
             return set()
         gathered = [u for u in self._previous_order
                     if u is not self.root_unit and u.param_store.gathers]
