@@ -122,7 +122,9 @@ def check_bytes_sent(ranks: list[dict]) -> None:
     203. That is the lower bound (36,858 bytes). Above it only padding: every parameter and
     every shard starts on a 16-element boundary (< 16 (N + 1) elements per parameter, 12
     parameters), so at most 3 (N-1)/N 4 (Psi + 16 (N + 1) 12) (46,107), which also covers
-    the global norm's one-scalar all-reduce."""
+    the global norm's one-scalar all-reduce. That is the first step; from the second the
+    forward's last units stay whole for backward, one gather (and its 16-byte order
+    header per peer) less each, every step alike."""
     sizes = [p.numel() for p in make_model("mlp").parameters()]
     threshold = STAGE3["mlp"]["param_persistence_threshold"]
     n, psi, params = 4, sum(sizes), len(sizes)
@@ -131,12 +133,16 @@ def check_bytes_sent(ranks: list[dict]) -> None:
     low = (n - 1) / n * 4 * (3 * (psi - kept) + 2 * kept)
     high = 3 * (n - 1) / n * 4 * (psi + 16 * (n + 1) * params)
     assert ranks[0]["num_params"] == psi
-    first = ranks[0]["sent"][0]
+    first, steady = ranks[0]["sent"][0], ranks[0]["sent"][1]
     for r in ranks:
         for step, sent in enumerate(r["sent"]):
-            assert sent == first, (r["rank"], step, sent, first)
+            assert sent == (first if step == 0 else steady), (r["rank"], step, sent, first)
     assert low <= first["total"] <= high, first
     assert first["all_gather"] > 0 and first["reduce_scatter"] > 0, first
+    kept = ranks[0]["kept"]
+    assert kept["units"] > 0, kept
+    assert first["all_gather"] - steady["all_gather"] == (
+        (n - 1) / n * 4 * kept["numel"] + kept["units"] * 16 * (n - 1)), (first, steady, kept)
 
 
 def test_lightning_trainer_with_num_nodes_2_on_its_own_launcher(tmp_path: Path) -> None:

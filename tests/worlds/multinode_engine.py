@@ -70,6 +70,8 @@ def train(out: Path, suffix: str, extra: dict) -> None:
         record["losses"].append(loss.item())
     record["num_params"] = engine.num_params
     record["shard_numel"] = sum(u.layout.shard_numel for u in engine.units)
+    kept = [u for u in engine.units if u.index in engine.runtime._kept]
+    record["kept"] = {"units": len(kept), "numel": sum(u.layout.padded_numel for u in kept)}
     full = engine.full_state_dict()  # a collective: every rank
     if rank == 0:
         torch.save(full, out / f"weights{suffix}.pt")
