@@ -225,7 +225,8 @@ def _gathered(engine: EngineView, p: int) -> int:
     while any unit runs, every unit of a module around it is whole too (the root unit, held
     from its forward to the end of backward, and any unit of an enclosing module: GPT-2's
     ``transformer`` unit, made of what its blocks leave below ``unit_numel``); plus, with
-    prefetch, the ``prefetch_units`` units ahead (bounded by the largest as many)."""
+    prefetch, the ``prefetch_units`` units ahead, or at the end of forward the forward's last
+    ones kept whole for backward (bounded by the largest as many)."""
     gathering = [u for u in engine.units if u.param_store.gathers]
     if not gathering:
         return 0
