@@ -67,6 +67,12 @@ class ZeroPlan:
     broadcast_buffers: bool
 
     @property
+    def units_ahead(self) -> int:
+        """Units the runtime gathers ahead of the one computing, and keeps whole at the end
+        of forward for the backward (0 without prefetch)."""
+        return self.prefetch_units if self.prefetch else 0
+
+    @property
     def optimizer_shards(self) -> int:
         return self.world_size if self.layout.shards_optimizer else 1
 

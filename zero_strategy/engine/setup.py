@@ -147,7 +147,7 @@ def _install(parts: EngineParts, model: nn.Module) -> None:
     plan = parts.plan
     parts.progress = StepProgress()
     parts.runtime = Runtime(parts.units, parts.shards, model,
-                            plan.prefetch_units if plan.prefetch else 0,
+                            plan.units_ahead,
                             plan.check_gather_order, world=parts.comm,
                             blocking_order_check=plan.blocking_order_check,
                             progress=parts.progress)

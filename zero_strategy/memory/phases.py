@@ -233,8 +233,7 @@ def _gathered(engine: EngineView, p: int) -> int:
 
     chains = [sum(v.layout.padded_numel for v in gathering if v is u or _encloses(v, u))
               for u in gathering]
-    ahead = (engine.config.resolved("prefetch_units") or 0) if engine.config.resolved(
-        "prefetch") else 0
+    ahead = engine.plan.units_ahead
     # The root unit is whole from its forward to the end of backward: never one ahead.
     prefetched = sum(sorted((u.layout.padded_numel for u in gathering if u.name),
                             reverse=True)[:ahead])

@@ -174,9 +174,9 @@ def model_units(model: torch.nn.Module, config: ZeroConfig, layout: Layout) -> M
     # Whole from forward to backward: the root, and the last units the forward gathers
     # (``Runtime._backward_head``: backward's first; here in registration order, which is
     # the forward's in the models predicted)
-    ahead = plan.prefetch_units if plan.prefetch else 0
-    kept = root + sum(gathered[-ahead:]) if plan.stage == 3 and ahead else root
-    return ModelUnits(tuple(sizes), kept if plan.stage == 3 else 0, tuple(persistent))
+    last = gathered[len(gathered) - plan.units_ahead:]
+    return ModelUnits(tuple(sizes), root + sum(last) if plan.stage == 3 else 0,
+                      tuple(persistent))
 
 
 @dataclass(frozen=True)
