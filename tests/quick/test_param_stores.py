@@ -1,0 +1,104 @@
+"""Parameter stores, exercised directly on every layout they take, against the values given
+(tests/worlds/scenarios_params.py; N=2 and 3).
+
+These are the operations a training step never calls: writes from ``load_state_dict``, edits
+made inside ``gathered_parameters()`` and adopted or discarded, the consolidated master of
+``full_state_dict`` and ``close``. Every expected value is what was written (or each rank's own
+master values, laid end to end), never the store's own answer. All comparisons are exact:
+written values are compared in the dtype they were stored in, edits are multiples of 0.5
+(exact in bf16).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.harness import check, run_world
+from tests.worlds.scenarios_params import LAYOUTS
+
+VIEW = {"s1_fp32"}
+"""The master is this rank's slice of the compute copy itself: an edit is the master."""
+MASTER_IS_SHARD = {"s3_fp32", "s3_one_shard", "s3_disk_both"}
+"""Stage 3 with the at-rest shard and the master one tensor."""
+ONE_SHARD = {"s3_one_shard"}
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["n2", "n3"])
+def world(request: pytest.FixtureRequest) -> tuple[int, dict]:
+    return request.param, run_world("tests/worlds/scenarios_params.py", request.param)
+
+
+def _held(layout: str, whole: bool) -> dict[str, list[list[str]]]:
+    if not layout.startswith("s3"):
+        return {"params": [["full"]], "master": [] if layout in VIEW else [["master"]]}
+    shard = ["master", "shard"] if layout in MASTER_IS_SHARD else ["shard"]
+    return {"params": [shard] + ([["full"]] if whole else []),
+            "master": [] if layout in MASTER_IS_SHARD else [["master"]]}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_stores_write_adopt_discard_and_gather_the_values_given(
+        world: tuple[int, dict], layout: str) -> None:
+    n, results = world
+    ranks = check(results[layout])
+    sharded = layout.startswith("s3")
+    shards = 1 if layout in ONE_SHARD else n
+    # the engine starts every rank from rank 0's values, whatever each rank built
+    assert ranks[0]["own"] != ranks[1]["own"]
+    for r in ranks:
+        assert r["initial"] == ranks[0]["own"]  # exact: lists of the same floats
+    for rank, r in enumerate(ranks):
+        units = r["units"]
+        assert units and {u["kind"] for u in units} == {
+            "ShardedParams" if sharded else "ReplicatedParams"}
+        # the layout is worth testing: some parameter falls across two ranks' shards
+        assert shards == 1 or any(u["straddles"] for u in units), units
+        assert r["disk"] == ("disk" in layout)
+        for u in units:
+            _check_unit(layout, rank, shards, sharded, u)
+
+
+def _check_unit(layout: str, rank: int, shards: int, sharded: bool, u: dict) -> None:
+    where = f"{layout} rank {rank} unit {u['name']!r}"
+    assert u["num_shards"] == shards and u["rank"] == (rank if shards > 1 else 0), where
+    assert u["master_dtype"] == "torch.float32", where
+    assert u["compute_dtype"] == ("torch.bfloat16" if "bf16" in layout else "torch.float32")
+    w = u["write"]
+    assert w["master"] and all(w["master"]), (where, w)  # full precision, not rounded
+    assert w["compute"] and all(w["compute"]), (where, w)
+    # written while whole: visible at once (stage 3: the second half of the parameters)
+    assert len(w["exposed"]) == len(w["master"]) - (len(w["master"]) // 2 if sharded else 0)
+    assert all(w["exposed"]), (where, w)
+
+    e = u["edits"]
+    view = layout in VIEW
+    assert e["fresh"] is False and e["restored"] is False, (where, e)
+    # only the rank owning the changed element sees it (never where the master is the copy)
+    assert e["by_owner"] == [None if seen is None else (r == u["rank"] and not view)
+                             for r, seen in enumerate(e["by_owner"])], (where, e)
+    assert any(seen is not None for seen in e["by_owner"]), where
+    assert e["edited"] is (e["owns_edit"] and not view), (where, e)
+    assert e["adopt_master"] and e["untouched_exact"] and e["adopt_compute"], (where, e)
+    assert e["edited_after_adopt"] is False, (where, e)
+    assert e["edited_before_discard"] is (e["owns_edit"] and not view), (where, e)
+    d = e["discard"]
+    assert d["state"] == "unsharded" and d["equals_master"] and d["edited"] is False, (where, d)
+    # a discard puts back the adopted values, unless the edit was made in the master itself
+    assert d["edits_gone"] is (not view), (where, d)
+    if sharded:
+        assert e["sharded_noop"] == {"state": "sharded", "edited": False, "master": True}, where
+
+    s = u["sharing"]
+    assert s["held_whole"] == _held(layout, whole=True), (where, s)
+    # a view of a gathered copy may be given back with it; a replicated copy never is
+    assert s["shares_whole"] == [sharded, False], (where, s)
+    if sharded:
+        assert s["held_sharded"] == _held(layout, whole=False), (where, s)
+        assert s["shares_sharded"] is False, (where, s)
+
+    a = u["after_step"]
+    # replicated: the gather of every rank's slice runs on after the call
+    assert a["state"] == ("sharded" if sharded else "gathering" if shards > 1
+                          else "unsharded"), (where, a)
+    assert a["compute"] and a["master"] and a["gather_is_a_copy"], (where, a)
+    assert u["end_state"] == ("sharded" if sharded else "unsharded"), where
