@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> None:
         (out / f"rank{record['rank']}.json").write_text(json.dumps(record))
     # Shut the group down before the interpreter exits: gloo's threads torn down at exit
     # abort the process ("terminate called without an active exception").
-    from zero_strategy.comm.collectives import destroy_default_group
+    from zero_strategy.comm.groups import destroy_default_group
 
     destroy_default_group()
 

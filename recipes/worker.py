@@ -147,7 +147,7 @@ def main(config_file: str, launcher: Any = None) -> None:
         return
     # Shut the group down while every rank is alive: left to interpreter exit, gloo's threads
     # can be torn down mid-flight and abort the process after a successful run.
-    from zero_strategy.comm.collectives import destroy_default_group
+    from zero_strategy.comm.groups import destroy_default_group
 
     torch.distributed.barrier()
     destroy_default_group()

@@ -165,15 +165,15 @@ TORCH = (
               why="checkpoint/pickles.py: allowed when unpickling DCP's metadata (looked up "
                   "only where this torch has it)"),
     Attribute(owner="torch.distributed.distributed_c10d", name="_get_default_store",
-              why="comm/collectives.py: the rendezvous store, which answers while a group "
+              why="comm/groups.py: the rendezvous store, which answers while a group "
                   "holds unmatched operations (failure reports, agreements)"),
     Attribute(owner="torch.distributed.distributed_c10d", name="_get_default_group",
-              why="comm/collectives.py: whether groups are split from a bound default group, "
-                  "and the key of the side channel made once per group"),
+              why="comm/groups.py: whether groups are split from a bound default group; "
+                  "comm/collectives.py: the key of the side channel made once per group"),
     Attribute(owner="torch.distributed:ProcessGroup", name="_get_backend",
-              why="comm/collectives.py: the backend whose options hold the group's timeout"),
+              why="comm/groups.py: the backend whose options hold the group's timeout"),
     Attribute(owner="torch.distributed:ProcessGroupGloo.Options", name="_timeout",
-              why="comm/collectives.py: the timeout a group was created with (NCCL's options "
+              why="comm/groups.py: the timeout a group was created with (NCCL's options "
                   "have the same name)"),
     Attribute(owner="torch.distributed:ProcessGroup", name="_reduce_scatter_base",
               why="comm/collectives.py: gloo's reduce-scatter with the timeout in its options "

@@ -321,7 +321,7 @@ def test_an_exchange_left_pending_past_its_group_is_never_destroyed() -> None:
     import gc
     import weakref
 
-    from zero_strategy.comm import collectives as c
+    from zero_strategy.comm import handles
 
     class Work:
         def is_completed(self) -> bool:
@@ -330,12 +330,12 @@ def test_an_exchange_left_pending_past_its_group_is_never_destroyed() -> None:
     assert not torch.distributed.is_initialized()
     work = Work()
     alive = weakref.ref(work)
-    exchange = c._Exchange(None, [(work, 1)], "all_gather")  # type: ignore[arg-type]
+    exchange = handles.Exchange(None, [(work, 1)], "all_gather")  # type: ignore[arg-type]
     del work, exchange
     gc.collect()
-    kept = [pair for pair in c._ORPHANED_WORKS if pair[0] is alive()]
+    kept = [pair for pair in handles._ORPHANED_WORKS if pair[0] is alive()]
     assert alive() is not None and len(kept) == 1
-    c._ORPHANED_WORKS.remove(kept[0])
+    handles._ORPHANED_WORKS.remove(kept[0])
     del kept
     gc.collect()
     assert alive() is None

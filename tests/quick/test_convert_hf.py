@@ -22,7 +22,7 @@ from zero_strategy.checkpoint.errors import CheckpointError
 from zero_strategy.checkpoint.hf import INDEX, WEIGHTS, write_hf
 from zero_strategy.checkpoint.read import CheckpointReader
 from zero_strategy.checkpoint.verify import resolve
-from zero_strategy.comm.collectives import (
+from zero_strategy.comm.groups import (
     destroy_default_group,
     group_is_initialized,
     init_single_process_group,

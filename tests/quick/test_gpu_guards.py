@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 import zero_strategy as zs
 from tests.support.harness import check, run_world
-from zero_strategy.comm.collectives import Communicator, backend_for, default_device
+from zero_strategy.comm.collectives import Communicator
+from zero_strategy.comm.groups import backend_for, default_device
 from zero_strategy.core.devices import canonical_device
 from zero_strategy.engine import setup as engine
 from zero_strategy.optim.sharded import global_norm
@@ -95,10 +96,10 @@ def test_a_subgroup_splits_its_own_communicator_where_nccl_splits(
     by splitting the world's communicator: ``new_group`` would need the other ranks of the
     world too, so the shard and replica groups are split from the subgroup itself, each
     partition whole and in order."""
-    from zero_strategy.comm import collectives
+    from zero_strategy.comm import groups
 
     splits: list[tuple[object, list[list[int]]]] = []
-    monkeypatch.setattr(collectives, "_splits_communicators", lambda: True)
+    monkeypatch.setattr(groups, "splits_communicators", lambda: True)
     monkeypatch.setattr(dist, "split_group", lambda parent, parts, timeout=None:
                         splits.append((parent, parts)) or f"group {len(splits)}")
     monkeypatch.setattr(dist, "new_group", lambda *a, **k: pytest.fail("new_group called"))

@@ -91,7 +91,7 @@ def _load_watched(engine: Any, load: Callable[[], Any]) -> Digests:
 
 def engine(path: Path, scratch: Path) -> Digests:
     import zero_strategy as zs
-    from zero_strategy.comm.collectives import init_single_process_group
+    from zero_strategy.comm.groups import init_single_process_group
 
     init_single_process_group(torch.device("cpu"))
     model, opt = _model_and_optimizer()

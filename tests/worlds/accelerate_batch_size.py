@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from tests.support.faults import HungryMLP
 from zero_strategy.accelerate import ZeroAccelerator, ZeroPlugin
-from zero_strategy.comm.collectives import destroy_default_group
+from zero_strategy.comm.groups import destroy_default_group
 
 STEPS = 6
 

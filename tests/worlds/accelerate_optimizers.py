@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 from tests.support import several_optimizers as so  # noqa: E402
 from zero_strategy.accelerate import ZeroAccelerator, ZeroPlugin  # noqa: E402
-from zero_strategy.comm.collectives import destroy_default_group  # noqa: E402
+from zero_strategy.comm.groups import destroy_default_group  # noqa: E402
 
 
 def lrs(*optimizers: Any) -> list[float]:

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from tests.support.models import STAGE3, loss_of, make_model, make_optimizer  # noqa: E402
 from tests.worlds.multinode_engine import CLIP, STEPS, global_batches, my_part  # noqa: E402
-from zero_strategy.comm.collectives import group_timeout  # noqa: E402
+from zero_strategy.comm.groups import group_timeout  # noqa: E402
 from zero_strategy.lightning import ZeroStrategy  # noqa: E402
 
 

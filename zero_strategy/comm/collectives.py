@@ -27,18 +27,18 @@ the error being raised.
 from __future__ import annotations
 
 import ctypes
-import os
 import pickle
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import int8
+from . import groups, int8
+from .handles import Chain, Done, Exchange, Handle, Pending, Then
 from .store import REPORT_WAIT_S, Ledger, StoreSilent
 
 # torch 2.13 renamed the flat collectives; older releases (>= 2.4) only have the old names.
@@ -109,14 +109,6 @@ an escaped view of a gathered buffer, ``ParamStore.aliases``) or large; under gl
 host all-gathers and reduce-scatters are sends and receives, which run on no worker thread. A
 barrier holds no tensors: freeing it takes no GIL."""
 
-_ORPHANED_WORKS: list[Any] = []
-"""Sends and receives never waited for whose group was destroyed (``_Exchange.__del__``):
-held to the end of the process, never freed."""
-try:  # never freed, not even at interpreter exit
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_ORPHANED_WORKS))
-except AttributeError:
-    pass
-
 _KEPT_BYTES = 1 << 20
 """The most tensor bytes a kept work may hold (see ``_KEPT_WORKS``)."""
 
@@ -126,230 +118,9 @@ except AttributeError:  # an interpreter without the C API: nothing kept beyond 
     pass
 
 
-def _store() -> Any:
-    """The default group's rendezvous store: agreements and failure reports go through it,
-    because it still answers while a group holds operations some rank never matched."""
-    return dist.distributed_c10d._get_default_store()
-
-
-
-def group_is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def group_backend() -> str | None:
-    """The default group's backend string, None when no group exists."""
-    return str(dist.get_backend()) if group_is_initialized() else None
-
-
-def group_size() -> int:
-    """World size of the default group (1 when none exists)."""
-    return dist.get_world_size() if group_is_initialized() else 1
-
-
-def backend_for(backend: str, device_type: str) -> str | None:
-    """The backend a group named ``backend`` uses for tensors on ``device_type``, or None when
-    it has none. Torch names a group either by one backend ("gloo", "nccl") or by a map
-    ("cpu:gloo,cuda:nccl")."""
-    if ":" in backend:
-        pairs = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
-        return pairs.get(device_type)
-    if backend == "nccl":
-        return backend if device_type == "cuda" else None
-    if backend == "gloo":
-        return backend if device_type in ("cpu", "cuda") else None
-    return backend  # mpi, ucc, vendor backends: their own checks apply
-
-
-def default_device(backend: str) -> torch.device:
-    """Where a model built on the meta device is materialised: the current CUDA device when
-    the group names a backend for CUDA tensors ("nccl", "cpu:gloo,cuda:nccl", "cuda:gloo")
-    and a GPU exists, else the CPU (plain "gloo" serves both and means CPU training)."""
-    names_cuda = backend != "gloo" and backend_for(backend, "cuda") is not None
-    if names_cuda and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def init_single_process_group(device: torch.device) -> None:
-    """A group of one, for a script run without a launcher (no rendezvous needed)."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-
-
-def init_restartable_group(backend: str, timeout: float) -> bool:
-    """Create the default group of a worker started by torchrun's elastic agent with its
-    rendezvous keys under the attempt number; False (nothing done) outside such a launch or
-    when a group exists.
-
-    With the static rendezvous (``accelerate launch``'s), the agent's store outlives a failed
-    attempt and torch keys the default group by name only, so the workers of a restarted
-    attempt read the dead workers' addresses and fail or hang connecting
-    (pytorch/pytorch#135712)."""
-    env = os.environ
-    if (group_is_initialized() or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-            or "TORCHELASTIC_RESTART_COUNT" not in env):
-        return False
-    world, wait = int(env["WORLD_SIZE"]), timedelta(seconds=timeout)
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False,
-                          timeout=wait)
-    attempt = dist.PrefixStore(f"zero_strategy/attempt_{env['TORCHELASTIC_RESTART_COUNT']}",
-                               store)
-    dist.init_process_group(backend, store=attempt, rank=int(env["RANK"]), world_size=world,
-                            timeout=wait)
-    return True
-
-
-def world_barrier() -> None:
-    """Every process of the default group reaches this point before any goes on (nothing
-    without a group)."""
-    if group_is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def destroy_default_group() -> None:
-    if group_is_initialized():
-        dist.destroy_process_group()
-
-
-def group_timeout(group: dist.ProcessGroup | None) -> float | None:
-    """Seconds the group (default: the world) was created with, ``init_process_group``'s or
-    ``new_group``'s ``timeout=`` or the backend's default; None where the backend does not
-    say (torch keeps it in each backend's options)."""
-    pg = group if group is not None else dist.group.WORLD
-    for device in ("cpu", "cuda"):
-        try:
-            return pg._get_backend(torch.device(device)).options._timeout.total_seconds()
-        except (AttributeError, RuntimeError, ValueError):
-            continue
-    return None
-
-
-def _splits_communicators() -> bool:
-    """Whether new groups are made by splitting the world's communicator (a default group
-    bound to a device: torch's own test, a private attribute read here only)."""
-    default = dist.distributed_c10d._get_default_group()
-    return getattr(default, "bound_device_id", None) is not None
-
-
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
-
-
-class Handle(Protocol):
-    def wait(self, host: bool = False) -> object:
-        """Complete for the device's next work; ``host=True``: also for the host, which is
-        about to read the result (then bounded by the timeout on every backend)."""
-
-    def ready(self) -> bool:
-        """Whether ``wait`` would return at once (never blocks; a backend that cannot tell
-        answers False until waited for)."""
-
-
-class _Done:
-    """The handle of a collective that ran synchronously (one rank, nothing to wait for)."""
-
-    def wait(self, host: bool = False) -> bool:
-        return True
-
-    def ready(self) -> bool:
-        return True
-
-
-def _completed(work: Any) -> bool:
-    try:
-        return bool(work.is_completed())
-    except RuntimeError:  # failed: waiting raises the error, naming the collective
-        return True
-
-
-class _Pending:
-    """An asynchronous collective; ``wait()`` is bounded by the communicator's timeout and
-    turns a failure into an error naming the collective."""
-
-    def __init__(self, comm: Communicator, work: Any, op: str) -> None:
-        self.comm, self.work, self.op = comm, work, op
-
-    def wait(self, host: bool = False) -> bool:
-        self.comm.wait(self.work, self.op, host=host)
-        return True
-
-    def ready(self) -> bool:
-        return _completed(self.work)
-
-
-class _Exchange:
-    """Point-to-point sends and receives that together make one collective, each with the
-    rank (in the group) it goes to or comes from; ``wait()`` waits for all of them (bounded
-    like any collective), then runs ``finish`` once."""
-
-    def __init__(self, comm: Communicator, works: list[tuple[Any, int]], op: str,
-                 finish: Callable[[], None] | None = None) -> None:
-        self.comm, self.works, self.op, self.finish = comm, works, op, finish
-
-    def wait(self, host: bool = False) -> bool:
-        works, self.works = self.works, []
-        for work, peer in works:
-            self.comm.wait(work, self.op, host=host, peer=peer)
-        if self.finish is not None:
-            finish, self.finish = self.finish, None
-            finish()
-        return True
-
-    def ready(self) -> bool:
-        return all(_completed(w) for w, _ in self.works)
-
-    def __del__(self) -> None:
-        # Never waited for, and the group destroyed since (a script that ends on step() and
-        # destroy_process_group(): the post-step gathers are still pending): destroying a
-        # send or receive of a destroyed gloo group aborts the process at exit (seen 2 runs
-        # in 6 of bench/routed_memory.py). Kept instead, never freed: the process is ending.
-        if self.works and not dist.is_initialized():
-            _ORPHANED_WORKS.extend(self.works)
-            self.works = []
-
-
-class _Then:
-    """``handle``, then ``after()`` on the host once it is waited for."""
-
-    def __init__(self, handle: Handle, after: Callable[[], None]) -> None:
-        self.handle, self.after = handle, after
-
-    def wait(self, host: bool = False) -> bool:
-        self.handle.wait(host=host)
-        if self.after is not None:
-            after, self.after = self.after, None
-            after()
-        return True
-
-    def ready(self) -> bool:
-        return self.handle.ready()
-
-
-class _Chain:
-    """A collective made of two, the second launched once the first has completed: when
-    the first is found done (``ready``, polled while other work goes on) or at ``wait``."""
-
-    def __init__(self, first: Handle, then: Callable[[], Handle]) -> None:
-        self.first: Handle | None = first
-        self.then: Callable[[], Handle] | None = then
-        self.second: Handle | None = None
-
-    def _advance(self, host: bool) -> Handle:
-        if self.second is None:
-            assert self.first is not None and self.then is not None
-            self.first.wait(host=host)
-            self.second, self.first, self.then = self.then(), None, None
-        return self.second
-
-    def wait(self, host: bool = False) -> bool:
-        return bool(self._advance(host).wait(host=host))
-
-    def ready(self) -> bool:
-        if self.second is None and not (self.first is not None and self.first.ready()):
-            return False
-        return self._advance(False).ready()
 
 
 Scratch = Callable[[int, torch.dtype], torch.Tensor]
@@ -398,8 +169,8 @@ class Communicator:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
-        self.device = default_device(self.backend)
-        own = group_timeout(group)
+        self.device = groups.default_device(self.backend)
+        own = groups.group_timeout(group)
         # The stricter of the engine's bound and the one the user gave their group: a group
         # created with timeout=10 s means 10 s, not ZeroConfig's default.
         self.timeout_s = min((t for t in (timeout, own) if t is not None), default=None)
@@ -420,8 +191,8 @@ class Communicator:
         # Every rank builds its communicators in the same order: the count names this one
         # alike on all of them, for keys in the rendezvous store (``agree_max``).
         _INSTANCES[tuple(self._peers)] += 1
-        self.ledger = Ledger(_store, f"zero_strategy/{'-'.join(map(str, self._peers))}/"
-                             f"{_INSTANCES[tuple(self._peers)]}", self.rank, self.world_size)
+        key = f"zero_strategy/{'-'.join(map(str, self._peers))}/{_INSTANCES[tuple(self._peers)]}"
+        self.ledger = Ledger(groups.default_store, key, self.rank, self.world_size)
         """Failure reports and agreements, through the rendezvous store."""
 
     def report_failure(self, message: str) -> bool:
@@ -484,7 +255,7 @@ class Communicator:
         the partition's order. A subgroup's ranks cannot make the rest of the world take part:
         there the groups are split from this group itself (``split_group``)."""
         timeout = timedelta(seconds=self.timeout_s) if self.timeout_s is not None else None
-        if self.group is not None and _splits_communicators():
+        if self.group is not None and groups.splits_communicators():
             return dist.split_group(self.group, parts, timeout=timeout)
         mine = None
         for part in parts:
@@ -529,7 +300,7 @@ class Communicator:
         # input's open file) alive after the step (tests/quick/test_step_faults.py).
         with self._starting("all_gather"):
             work = _all_gather(flat_output, shard, group=self.group, async_op=True)
-        return _Pending(self, work, "all_gather")
+        return Pending(self, work, "all_gather")
 
     def global_ranks(self) -> list[int]:
         """This group's members, as ranks of the default group (the store's agreements)."""
@@ -552,12 +323,12 @@ class Communicator:
     def _direct(self) -> bool:
         """Host tensors under gloo: gather and reduce-scatter as direct exchanges."""
         return (self.world_size > 1 and self.device.type == "cpu"
-                and backend_for(self.backend, "cpu") == "gloo")
+                and groups.backend_for(self.backend, "cpu") == "gloo")
 
     def use_device(self, device: torch.device) -> None:
         """Communicate tensors on ``device`` (the compute device); refuses a device the
         group's backend has no communicator for."""
-        if backend_for(self.backend, device.type) is None:
+        if groups.backend_for(self.backend, device.type) is None:
             raise ValueError(
                 f"the process group's backend {self.backend!r} cannot communicate {device.type} "
                 f"tensors, but the model is on {device}: move the model to a device the backend "
@@ -568,7 +339,7 @@ class Communicator:
 
     def _bound_waits(self) -> None:
         """Decided per device: the backend string names a backend for each device type."""
-        gloo = backend_for(self.backend, self.device.type) == "gloo"
+        gloo = groups.backend_for(self.backend, self.device.type) == "gloo"
         self._wait_timeout = self._host_timeout if gloo else None
         self._gloo = gloo
 
@@ -656,9 +427,9 @@ class Communicator:
 
     def _finish(self, work: Any, op: str, async_op: bool) -> Handle:
         if async_op:
-            return _Pending(self, work, op)
+            return Pending(self, work, op)
         self.wait(work, op)
-        return _Done()
+        return Done()
 
     # ---------------------------------------------------------------- collectives
     def all_reduce(self, tensor: torch.Tensor, *, async_op: bool = False) -> Handle:
@@ -674,13 +445,13 @@ class Communicator:
         """Sum ``tensor`` in place over ranks, sending block-wise int8 (ZeRO++'s quantized
         gradient reduction, between shard groups): a reduce-scatter of the encoded tensor,
         then an all-gather of the encoded sums, launched once the first has completed
-        (``_Chain``). A value is off by the reduce-scatter's error (half a step of each peer's
+        (``Chain``). A value is off by the reduce-scatter's error (half a step of each peer's
         block) plus half a step of its summed block, quantized once more for the gather so
         every rank ends with the same values. (n-1)/n of a quarter of the fp32 bytes each way,
         where an fp32 all-reduce sends 2(n-1)/n of them."""
         n, numel = self.world_size, tensor.numel()
         if n == 1:
-            return _Done()
+            return Done()
         piece = -(-numel // (n * int8.BLOCK)) * int8.BLOCK  # block-aligned, one per rank
         take, give = self._lender()
         padded = take(n * piece, torch.float32)
@@ -694,12 +465,12 @@ class Communicator:
                 tensor.reshape(-1).copy_(padded[:numel])
                 give(summed)
                 give(padded)
-            return _Then(self.all_gather_int8(padded, summed, async_op=True), done)
+            return Then(self.all_gather_int8(padded, summed, async_op=True), done)
 
-        chain = _Chain(first, gather)
+        chain = Chain(first, gather)
         if not async_op:
             chain.wait()
-            return _Done()
+            return Done()
         return chain
 
     def all_reduce_max(self, tensor: torch.Tensor, *, host: bool = False) -> torch.Tensor:
@@ -760,7 +531,7 @@ class Communicator:
         if rows[self.rank].data_ptr() != shard.data_ptr():
             rows[self.rank].copy_(shard)
         works = self._gather_rows(rows, "all_gather", channel)
-        return self._finish_exchange(_Exchange(self, works, "all_gather"), async_op)
+        return self._finish_exchange(Exchange(self, works, "all_gather"), async_op)
 
     def _gather_rows(self, rows: torch.Tensor, op: str,
                      channel: int | None = None) -> list[tuple[Any, int | None]]:
@@ -809,7 +580,7 @@ class Communicator:
             if scratch is not None:
                 give(scratch)
 
-        return self._finish_exchange(_Exchange(self, works, "reduce_scatter", finish), async_op)
+        return self._finish_exchange(Exchange(self, works, "reduce_scatter", finish), async_op)
 
     def _lender(self) -> tuple[Scratch, Release]:
         """Where receive and encode buffers come from: the engine's pool, else fresh."""
@@ -818,10 +589,10 @@ class Communicator:
         return (lambda numel, dtype: torch.empty(numel, dtype=dtype, device=self.device),
                 lambda tensor: None)
 
-    def _finish_exchange(self, exchange: _Exchange, async_op: bool) -> Handle:
+    def _finish_exchange(self, exchange: Exchange, async_op: bool) -> Handle:
         if not async_op:
             exchange.wait()
-            return _Done()
+            return Done()
         return exchange
 
     # ---------------------------------------------------------------- int8 on the wire
@@ -847,7 +618,7 @@ class Communicator:
             give(payload)
             give(scales)
 
-        return self._finish_exchange(_Exchange(self, works, "all_gather", finish), async_op)
+        return self._finish_exchange(Exchange(self, works, "all_gather", finish), async_op)
 
     def reduce_scatter_int8(self, output: torch.Tensor, flat_input: torch.Tensor, *,
                             async_op: bool = False) -> Handle:
@@ -861,7 +632,7 @@ class Communicator:
         pieces = flat_input.view(n, -1)
         if n == 1:
             output.copy_(pieces[0])
-            return _Done()
+            return Done()
         nb = int8.blocks(k)
         take, give = self._lender()
         sent = [take(n * nb * int8.BLOCK, torch.int8), take(n * nb, torch.float32)]
@@ -892,7 +663,7 @@ class Communicator:
             for t in (values, *sent, *got):
                 give(t)
 
-        return self._finish_exchange(_Exchange(self, works, "reduce_scatter", finish), async_op)
+        return self._finish_exchange(Exchange(self, works, "reduce_scatter", finish), async_op)
 
     def all_to_all(self, send: torch.Tensor, send_counts: list[int],
                    recv_counts: list[int]) -> torch.Tensor:

@@ -15,7 +15,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..comm.collectives import Communicator, Handle
+from ..comm.collectives import Communicator
+from ..comm.handles import Handle
 from .buffers import BufferPool
 from .flat import FlatLayout
 

@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..comm.collectives import Communicator, Handle
+from ..comm.collectives import Communicator
+from ..comm.handles import Handle
 from ..offload.transfers import Copy, Transfers
 from .buffers import BufferPool
 from .flat import FlatLayout

@@ -58,7 +58,8 @@ import torch
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
-from ..comm.collectives import Communicator, Handle
+from ..comm.collectives import Communicator
+from ..comm.handles import Handle
 from .autograd import (
     Inputs,
     queue_end_of_backward,

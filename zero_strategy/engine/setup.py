@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from ..checkpoint import pretrained as checkpoint_pretrained
-from ..comm.collectives import Communicator, default_device
+from ..comm.collectives import Communicator
+from ..comm.groups import default_device
 from ..config import ZeroConfig
 from ..core.access import ParamAccess
 from ..core.activations import Activations

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..comm import collectives
+from ..comm import groups
 
 _LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 _HYDRA_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
@@ -97,7 +97,7 @@ class _LaunchedWorld:
     def end(self, timeout: float = 300.0) -> None:
         for proc in self.procs:
             proc.wait(timeout=timeout)  # they finish the job the parent has just finished
-        collectives.destroy_default_group()
+        groups.destroy_default_group()
         for key, value in self.env_before.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -27,7 +27,7 @@ from ...checkpoint.errors import CheckpointError
 from ...checkpoint.export import PlainLayout, parse_size
 from ...checkpoint.save_hub import save_hub
 from ...checkpoint.verify import member
-from ...comm import collectives
+from ...comm import groups
 from ...core.devices import canonical_device
 from ...core.precision import make_policy
 from ...engine import ZeroEngine
@@ -110,7 +110,7 @@ class ZeroAccelerator(Accelerator):
         self._zero_mixed_precision = mixed_precision
         # Under a restarting launcher the group must be created per attempt (Accelerate skips
         # creating its own when one exists).
-        collectives.init_restartable_group("gloo" if kwargs.get("cpu") else "nccl",
+        groups.init_restartable_group("gloo" if kwargs.get("cpu") else "nccl",
                                            config.timeout)
         # Accelerate must not autocast or build a GradScaler: the engine owns precision.
         super().__init__(mixed_precision="no", **kwargs)
@@ -562,8 +562,8 @@ def has_accelerator_device() -> bool:
 
 def _ensure_process_group(device: torch.device, num_processes: int) -> None:
     """The engine needs torch.distributed; a plain ``python script.py`` gets a group of one."""
-    if collectives.group_is_initialized():
-        world = collectives.group_size()
+    if groups.group_is_initialized():
+        world = groups.group_size()
     else:
         world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != num_processes:  # e.g. every rank would read the whole data set
@@ -573,5 +573,5 @@ def _ensure_process_group(device: torch.device, num_processes: int) -> None:
             "PartialState() on a machine without GPUs); create the ZeroAccelerator first, or "
             "pass cpu=True to what created the state"
         )
-    if not collectives.group_is_initialized():
-        collectives.init_single_process_group(device)
+    if not groups.group_is_initialized():
+        groups.init_single_process_group(device)

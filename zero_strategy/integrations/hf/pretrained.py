@@ -41,7 +41,7 @@ from ...checkpoint.pretrained import (
     spec_of,
     warn_keys,
 )
-from ...comm.collectives import default_device, group_backend
+from ...comm.groups import default_device, group_backend
 from ...core.materialize import meta_init, set_module_init
 from .. import require
 from .conversions import planner

@@ -46,7 +46,7 @@ from transformers import Trainer
 
 from ... import compat
 from ...checkpoint.verify import member
-from ...comm import collectives
+from ...comm import groups
 from ..accelerate import (
     CHECKPOINT_SUBDIR,
     ZeroAccelerator,
@@ -164,7 +164,7 @@ class ZeroTrainerMixin:
 
     def _engine_built(self) -> None:
         engine = self.zero_engine
-        if engine is not None and engine.config.stage == 3 and collectives.group_size() > 1:
+        if engine is not None and engine.config.stage == 3 and groups.group_size() > 1:
             # transformers reads this to run generate() with synced_gpus (every rank keeps
             # calling forward until all are done) and to keep layer-drop the same on every
             # rank: both are what a model whose forward gathers from all ranks needs.

@@ -29,7 +29,7 @@ from typing import Any
 import ray.train
 
 from ...checkpoint.write import MANIFEST, shard_of
-from ...comm import collectives
+from ...comm import groups
 from ...engine import ZeroEngine
 
 RUN_FOLDER_PREFIX = "zero_strategy-ray"
@@ -99,7 +99,7 @@ def report(metrics: dict[str, Any], folder: str | os.PathLike | None = None,
     root = Path(folder)
     # Files of the folder another rank writes (a Trainer's rng_state_1.pth, uploaded by rank
     # 0) are complete once every rank is here: each wrote its part before reporting.
-    collectives.world_barrier()
+    groups.world_barrier()
     files = owned_files(root, ray.train.get_context().get_world_rank())
     staging = _stage(root, files) if files else None
     checkpoint = ray.train.Checkpoint.from_directory(str(staging)) if staging else None
