@@ -10,8 +10,8 @@ from .checkpoint.convert import convert
 from .checkpoint.errors import CheckpointError
 from .checkpoint.read import consolidate, open_reader, write_consolidated
 from .config import LossScaleConfig, ZeroConfig
+from .core.gather_order import GatherOrderError
 from .core.materialize import meta_init
-from .core.runtime import GatherOrderError
 from .engine import ZeroEngine
 from .integrations.hf import activations as _hf_activations
 from .integrations.hf import peft_init as _hf_peft_init

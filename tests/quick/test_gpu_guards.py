@@ -122,7 +122,7 @@ def test_a_gpu_checks_the_gather_order_where_asked(setting: bool | str, deferred
     comm = _comm_on("cuda:0")
     runtime = Runtime([], comm, torch.nn.Linear(1, 1), plan.prefetch, plan.check_gather_order,
                       world=comm, blocking_order_check=plan.blocking_order_check)
-    assert runtime.check_gather_order and runtime.defer_order_check is deferred
+    assert runtime.gather_check.check and runtime.gather_check.deferred is deferred
 
 
 def test_a_host_tensor_in_a_device_collective_is_refused() -> None:

@@ -74,7 +74,7 @@ def steady_step_syncs(layers: int) -> dict[str, Any]:
     model = _stack(layers)
     engine = zs.ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                            zs.ZeroConfig(stage=3, unit_numel=500, param_persistence_threshold=0))
-    engine.runtime.defer_order_check = True  # the GPU's path: tags read once per backward
+    engine.runtime.gather_check.deferred = True  # the GPU's path: tags read once per backward
     generator = torch.Generator().manual_seed(torch.distributed.get_rank())
     data = [(torch.randn(4, 24, generator=generator), torch.randint(0, 3, (4,),
                                                                      generator=generator))

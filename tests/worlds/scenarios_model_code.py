@@ -433,7 +433,7 @@ def swapped_gather_order(mode: str) -> dict[str, Any]:
     config = {**LAYOUTS["s3fine"], **({"check_gather_order": "blocking"}
                                        if mode == "blocking" else {})}
     engine = zs.ZeroEngine(model, optimizer_for(model), zs.ZeroConfig(**config))
-    engine.runtime.defer_order_check = mode == "deferred"
+    engine.runtime.gather_check.deferred = mode == "deferred"
     error = None
     try:
         engine.backward(engine(torch.randn(4, D)).square().mean())

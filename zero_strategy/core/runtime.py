@@ -28,30 +28,18 @@ different code (mixture-of-experts routing leaves an expert unused on one rank o
 - the forward's last ``prefetch`` units (the root aside, which stays whole anyway) are not
   freed after their forward: backward needs them first, and freed they would be gathered
   again at once. Which ones is decided from the last forward, which every rank ran alike;
-- stage-3 gathers follow the modules that run, so with ``check_gather_order`` each gather is
-  accompanied by a tiny all-gather of the unit's index, and ranks that disagree raise an
-  error naming both units instead of exchanging the wrong shards or hanging. When the group
-  communicates host tensors (gloo on CPU) the index travels as a header sent beside the
-  gather without waiting (a blocking round trip per unit would put the link's latency, and
-  every byte queued ahead on it, between the gathers: across nodes the step would cost the
-  link plus the compute); each unit's rows travel on a channel of their own, so a rank
-  gathering another unit at the same point never receives them (units of different sizes
-  never meet: gloo aborts on a longer message), and the headers are read in gather order
-  before a unit's rows are waited for. After a pass cut short, ``reset`` has every rank
-  issue the gathers and headers its peers issued and it did not, so nothing stays unmatched.
-  On a GPU, reading the indices would stall the host once per unit: there the exchange is
-  issued with the gather (its tag a view of one index tensor made once, so nothing is
-  copied from the host) and read once, at the end of backward (or after ``DEFERRED_TAGS``
-  gathers), still before the step can use anything gathered; units of different sizes then
-  meet in one collective, which nccl ends with its own timeout.
-  ``check_gather_order="blocking"`` asks for a check that blocks before each gather.
+- stage-3 gathers follow the modules that run, so with ``check_gather_order`` ranks check
+  that they gather the same unit at each point (``gather_order.py``): on CPU a header sent
+  beside each gather, read before its rows are waited for, the rows on a channel of the
+  unit's own; on a GPU tags read at the end of backward. After a pass cut short, ``reset``
+  has every rank issue the gathers and headers its peers issued and it did not, so nothing
+  stays unmatched.
 """
 
 from __future__ import annotations
 
 import enum
 import zlib
-from collections import deque
 from typing import Any
 
 import torch
@@ -67,6 +55,7 @@ from .autograd import (
     register_pre_backward,
 )
 from .devices import from_host
+from .gather_order import GatherOrder
 from .params import ParamState
 from .progress import StepProgress
 from .routed import routed_blocks
@@ -78,16 +67,9 @@ from .units import Unit
 # still overlapping communication with the rest of backward.
 MAX_INFLIGHT_REDUCTIONS = 2
 
-# Gather-order tags read at once on a GPU (one host sync) at the latest after this many
-# gathers, so a forward-only loop does not queue them without bound.
-DEFERRED_TAGS = 64
 READ_AHEAD_UNITS = 2
 """Units beyond the one being prefetched whose disk-tier shards are read ahead: enough to
 keep the disk busy while a unit computes, few enough to bound what is resident."""
-
-
-class GatherOrderError(RuntimeError):
-    """Ranks tried to gather different stage-3 units at the same point."""
 
 
 class TrainingState(enum.Enum):
@@ -163,21 +145,9 @@ class Runtime(StateMachine):
         parameters were used anywhere."""
         self.prefetch = int(prefetch)
         """Units gathered ahead of the one computing (0: none)."""
-        self.check_gather_order = check_gather_order and comm.world_size > 1
-        self.defer_order_check = comm.device.type != "cpu" and not blocking_order_check
-        self.header_order_check = comm.device.type == "cpu" and not blocking_order_check
-        """Host tensors (gloo): each gather sends a header (the unit, and in backward how many
-        units this rank has complete) to every rank beside its rows, without waiting; the
-        headers are read, in gather order, before a unit's rows are waited for."""
-        self._headers: deque[tuple[Unit, torch.Tensor, Handle]] = deque()
-        self._side = (world or comm).side_channel() if (
-            self.header_order_check and self.check_gather_order) else self.world
-        """Where headers travel: connections of their own (``Communicator.side_channel``)."""
-        self._headers_sent = 0
-        self._indices: torch.Tensor | None = None
-        """Every unit's index on the device, made once: the gather-order tag of a unit is a
-        view of it, so tagging a gather copies nothing from the host."""
-        self._tags: list[tuple[Unit, torch.Tensor, Handle]] = []
+        self.gather_check = GatherOrder(units, comm, self.world, check_gather_order,
+                                        blocking_order_check, ready=lambda: self._ready,
+                                        agreed=self._agree_launches)
         self._hooked: set[int] = set()
         """Units whose output the last forward hooked for backward: those backward gathers."""
         self._trainable: tuple[bool, ...] | None = None
@@ -210,9 +180,6 @@ class Runtime(StateMachine):
         self._routed = {u.index for u in units if u.module is not None and id(u.module) in routed}
         """Routed blocks (mixture of experts): reduced once their module's backward ended,
         whatever experts idle on this rank did not send (``_post_backward``)."""
-        self._reduced_early: set[int] = set()
-        """Routed blocks reduced so in this backward: a gradient of theirs arriving after
-        that would be lost, and is refused."""
         self._held: dict[int, int] = {}
         """Units ``engine.gathered_parameters()`` keeps whole (how many blocks hold each): no
         forward, backward or inference pass frees them until the block ends."""
@@ -220,15 +187,7 @@ class Runtime(StateMachine):
         self._plan_index: dict[int, int] = {}
         self._plan_reached = -1
         """The furthest position of this backward in ``_backward_plan``."""
-        self._launch_order: list[Unit] = []
-        self._cursor = 0
-        """Reductions launched this pass (a prefix of the launch order)."""
-        self._ready = 0
-        """Units complete this pass, counted from the start of the launch order."""
-        self._agreed: int | None = None
-        """The smallest ``_ready`` over the ranks at the last gather check, which launches may
-        not pass (None: no limit)."""
-        self._complete: set[int] = set()
+        self._start_launches([], agree=False)
         self._state = TrainingState.IDLE
 
     def _owner(self) -> str:
@@ -260,105 +219,38 @@ class Runtime(StateMachine):
     def unshard(self, unit: Unit) -> None:
         store = unit.param_store
         if store.gathers and store.state is ParamState.SHARDED:
-            headers = (self.check_gather_order and self.header_order_check
-                       and not self.defer_order_check)
-            if self.check_gather_order and self.defer_order_check:
-                self._tag_gather(unit)
-            elif headers:
-                self._send_header(unit)
-            elif self.check_gather_order:
-                self._check_and_agree(unit)
-            # With headers, each unit its own channel: a rank gathering another unit at this
-            # point never receives its rows, and the header says so before they are waited for.
-            store.start_unshard(self.comm, channel=unit.index if headers else None)
+            # A channel of the unit's own where headers check the order: a rank gathering
+            # another unit at this point never receives its rows, and the header says so
+            # before they are waited for.
+            store.start_unshard(self.comm, channel=self.gather_check.before_gather(unit))
 
     def finish(self, unit: Unit) -> None:
         """Wait until ``unit`` is whole, the order of every gather up to it checked first."""
-        self._read_headers(upto=unit)
+        self.gather_check.read(upto=unit)
         unit.param_store.finish_unshard()
 
-    def _send_header(self, unit: Unit) -> None:
-        self._headers.append((unit, *self._send_header_of(unit.index)))
+    def _start_launches(self, order: list[Unit], agree: bool) -> None:
+        """A pass's reductions, launched along ``order``; ``agree``: only as far as every
+        rank has come at the last gather check."""
+        self._launch_order = order
+        self._cursor = 0
+        """Reductions launched this pass (a prefix of the launch order)."""
+        self._ready = 0
+        """Units complete this pass, counted from the start of the launch order."""
+        self._agreed: int | None = 0 if agree else None
+        """The smallest ``_ready`` over the ranks at the last gather check, which launches may
+        not pass (None: no limit)."""
+        self._complete: set[int] = set()
+        self._reduced_early: set[int] = set()
+        """Routed blocks reduced early in this backward: a gradient of theirs arriving after
+        that would be lost, and is refused."""
 
-    def _send_header_of(self, index: int) -> tuple[torch.Tensor, Handle]:
-        self._headers_sent += 1
-        mine = torch.tensor([index, self._ready], dtype=torch.int64)
-        out = torch.empty(2 * self.world.world_size, dtype=torch.int64)
-        return out, self._side.all_gather_polled(out, mine)
-
-    def _read_headers(self, upto: Unit | None = None) -> None:
-        """Check the headers of the gathers issued so far, in order, up to ``upto``'s (all
-        by default). Each gather's headers agree how far reductions may be launched: the
-        least count of complete units any rank had when it issued that gather, so every rank
-        launches the same reductions at the same gather of the sequence."""
-        if upto is not None and all(u is not upto for u, _, _ in self._headers):
-            return
-        while self._headers:
-            if self._take_header() is upto:
-                return
-
-    def _poll_headers(self) -> None:
-        """Read the headers that have arrived, without waiting for any: the agreement on
-        how far reductions may be launched then takes effect as soon as every rank's header
-        is in, not when this rank next waits for a gather (its own connections, the side
-        channel, keep them from queueing behind gathered rows)."""
-        while self._headers and self._headers[0][2].ready():
-            self._take_header()
-
-    def _take_header(self) -> Unit:
-        unit, out, handle = self._headers.popleft()
-        handle.wait(host=True)  # read next
-        rows = out.view(self.world.world_size, 2).tolist()
-        self._check_tags(unit, [r[0] for r in rows])
+    def _agree_launches(self, least: int) -> None:
+        """The least count of complete units over the ranks, read from a gather's check: in
+        backward, reductions are launched up to it (``_launch_ready``)."""
         if self._agreed is not None:
-            self._agreed = min(r[1] for r in rows)
+            self._agreed = least
             self._launch_ready()
-        return unit
-
-    def _check_and_agree(self, unit: Unit) -> None:
-        """The host-side gather-order check; in backward it also agrees how far reductions
-        may be launched (every rank's count of units complete in launch order)."""
-        tags = self.world.all_gather_ints([unit.index, self._ready])
-        self._check_tags(unit, [t[0] for t in tags])
-        if self._agreed is not None:
-            self._agreed = min(t[1] for t in tags)
-            self._launch_ready()
-
-    def _tag_gather(self, unit: Unit) -> None:
-        if self._indices is None:
-            self._indices = torch.arange(len(self.units), dtype=torch.int64,
-                                         device=self.world.device)
-        mine = self._indices[unit.index : unit.index + 1]
-        out = torch.empty(self.world.world_size, dtype=torch.int64, device=self.world.device)
-        self._tags.append((unit, out, self.world.all_gather(out, mine, async_op=True)))
-        if len(self._tags) >= DEFERRED_TAGS:
-            self.verify_gather_order()
-
-    def verify_gather_order(self) -> None:
-        """Read the deferred gather-order tags (one host sync for all of them), or every
-        header not read yet."""
-        self._read_headers()
-        if not self._tags:
-            return
-        pending, self._tags = self._tags, []
-        for _, _, handle in pending:
-            handle.wait(host=True)  # the tags are read next
-        rows = torch.stack([out for _, out, _ in pending]).tolist()
-        for (unit, _, _), tags in zip(pending, rows):
-            self._check_tags(unit, tags)
-
-    def _check_tags(self, unit: Unit, tags: list[int]) -> None:
-        if any(t != unit.index for t in tags):
-            names = ", ".join(f"rank {r}: unit {t} {self.units[t].name or '<root>'!r}"
-                              for r, t in enumerate(tags))
-            raise GatherOrderError(
-                f"stage 3: ranks are gathering different units ({names}). A module ran on "
-                "some ranks but not on others (e.g. a mixture-of-experts expert that received "
-                "no tokens on one rank, in a block not recognised as routed: one is "
-                "recognised by a router parameter beside its list of experts). Gather such "
-                "modules with their parent: list the parent's class in "
-                "ZeroConfig(unit_leaf_classes=[...]), or call every module on every rank (an "
-                "expert may run on an empty batch)")
 
     def gather_for_access(self, unit: Unit) -> None:
         """A parameter of ``unit`` is read outside its module's forward: gather it now and
@@ -386,7 +278,7 @@ class Runtime(StateMachine):
         them): run before anything reads or writes whole compute copies outside forward."""
         for unit in self.units:
             self.finish(unit)
-        self.verify_gather_order()
+        self.gather_check.verify()
 
     def reshard_all(self) -> None:
         """Free every gathered unit but those a ``gathered_parameters()`` block holds."""
@@ -526,7 +418,7 @@ class Runtime(StateMachine):
         if hooked:
             self._hooked.add(unit.index)
         if not torch.is_grad_enabled() and unit is self.root_unit:
-            self.verify_gather_order()
+            self.gather_check.verify()
             # Inference: nothing will need the parameters again (but what a
             # gathered_parameters() block holds: generate() inside one gathers once).
             self.reshard_all()
@@ -582,16 +474,12 @@ class Runtime(StateMachine):
                 # ends (``_follow_backward``): the unit stays whole until the end of backward.
                 self._pinned.add(unit.index)
         gathers = any(u.param_store.gathers for u in self.units)
-        agree = gathers and self.check_gather_order and not self.defer_order_check
+        agree = gathers and self.gather_check.agrees_launches
         ran = list(reversed(self._order))
         seen = {u.index for u in ran}
-        self._launch_order = ran + [u for u in self.units if u.index not in seen]
-        self._cursor = self._ready = 0
-        self._agreed = 0 if agree else None
-        self._complete = set()
+        self._start_launches(ran + [u for u in self.units if u.index not in seen], agree)
         self._backward_trace, self._traced, self._recomputed = [], set(), False
         self._plan_reached = -1
-        self._reduced_early = set()
         for unit in self.units:
             if unit.expected == 0:  # complete already: no gradient can arrive for it
                 unit.reduced_this_pass = True
@@ -600,7 +488,7 @@ class Runtime(StateMachine):
 
     def pre_backward(self, unit: Unit) -> None:
         self._ensure_callback()
-        self._poll_headers()
+        self.gather_check.poll()
         self._advance_crossings()
         if unit.index not in self._traced:
             self._traced.add(unit.index)
@@ -664,7 +552,7 @@ class Runtime(StateMachine):
         unit.reduced_this_pass = True
         if self.sync:
             self._complete.add(unit.index)
-            self._poll_headers()
+            self.gather_check.poll()
             self._launch_ready()
         # Every use of the unit's parameters is behind us once all their gradients arrived
         # and every call's backward ended (a unit with frozen parameters whose end cannot be
@@ -714,7 +602,7 @@ class Runtime(StateMachine):
             self._rest_grads(keep=0)
             for unit in self.units:
                 unit.fence_grad_copy()
-            self.verify_gather_order()  # before anything gathered can reach the step
+            self.gather_check.verify()  # before anything gathered can reach the step
             if self.sync:
                 self._agree_on_used()
             self.reshard_all()
@@ -742,15 +630,12 @@ class Runtime(StateMachine):
             unit.grad_store.wait()
         self._launched = []
         self._resting = []  # the pass's gradients are dropped with it
-        self.verify_gather_order()
+        self.gather_check.verify()
         for unit in self.units:
             unit.ready = 0
             unit.reduced_this_pass = False
             unit.pending_calls = 0
-        self._complete = set()
-        self._reduced_early = set()
-        self._cursor = self._ready = 0
-        self._agreed = None
+        self._start_launches(self._launch_order, agree=False)
         self._callback_queued = False
         self.reshard_all()
         self._to("reset")  # only now: an error above leaves the pass to reset again
@@ -763,25 +648,20 @@ class Runtime(StateMachine):
         what it lacks (zeros, into scratch memory), so every exchange issued anywhere
         completes and none is left to match a later one; what arrives is discarded with the
         pass."""
-        if (self.world.world_size == 1 or not self.header_order_check
-                or self.defer_order_check):
+        check = self.gather_check
+        if self.world.world_size == 1 or not check.headers or check.deferred:
             return
         flying = [u for u in self.units if u.param_store.state is ParamState.GATHERING]
         masks = dict(zip(self.world.global_ranks(),
                          self.world.agree(sum(1 << u.index for u in flying))))
-        counts = self.world.agree(self._headers_sent)
         group = [masks[r] for r in self.comm.global_ranks()]  # those this rank gathers with
         extra: list[Handle] = []
         for unit in self.units:
             if any(m >> unit.index & 1 for m in group) and unit not in flying:
                 extra.append(self._gather_zeros(unit))
-        for _ in range(max(counts) - self._headers_sent):
-            self._send_header_of(-1)
-        for handle in extra:
+        headers = self.gather_check.match_headers()
+        for handle in extra + headers:
             handle.wait()
-        for _, _, handle in self._headers:
-            handle.wait()
-        self._headers.clear()
         for unit in flying:
             unit.param_store.finish_unshard()
 
