@@ -12,6 +12,7 @@ written values are compared in the dtype they were stored in, edits are multiple
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.support.harness import check, run_world
 from tests.worlds.scenarios_params import LAYOUTS
@@ -102,3 +103,122 @@ def _check_unit(layout: str, rank: int, shards: int, sharded: bool, u: dict) -> 
                           else "unsharded"), (where, a)
     assert a["compute"] and a["master"] and a["gather_is_a_copy"], (where, a)
     assert u["end_state"] == ("sharded" if sharded else "unsharded"), where
+    assert u.get("sends_shard_itself") is (True if sharded else None), where
+    # the shard itself in the disk tier (its master too): clean gathers write nothing, and
+    # the second of two gathers finds the shard still resident
+    assert ("tier" in u) is (layout == "s3_disk_both"), where
+    if "tier" in u:
+        t = u["tier"]
+        assert t["direct"] and t["file"] > 0, (where, t)
+        assert t["written"] == 0 and t["read"] == t["file"], (where, t)
+
+
+# ------------------------------------------------------------------ the placement table
+class _Transfers:
+    """Host memory apart from the device (a GPU) or not (a CPU run); records host buffers."""
+
+    def __init__(self, apart: bool) -> None:
+        self.host_is_separate, self.made = apart, []
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        self.made.append("host")
+        return torch.empty(numel, dtype=dtype)
+
+
+class _Tier:
+    """Records what the placement asks of the disk tier."""
+
+    def __init__(self) -> None:
+        self.made: list[str] = []
+        self.calls: list[tuple[str, tuple]] = []
+
+    def empty(self, numel: int, dtype: torch.dtype, name: str) -> torch.Tensor:
+        self.made.append(name)
+        return torch.zeros(numel, dtype=dtype)
+
+    def __getattr__(self, op: str):  # prefetch, load, ready, release, zero_range, holds
+        return lambda *args: self.calls.append((op, args[1:])) or True
+
+
+# device, host apart, offload_optimizer, offload_params, tier, optimizer_disk, params_disk
+# -> offload_optimizer, offload_params, optimizer_disk, params_disk, master_is_shard,
+#    where the master, the shard and the master's gradient are made, and whether a stage 2-3
+#    reduced gradient shard lives in the tier. "meta" stands for a GPU (a device apart from
+#    host memory); None: the argument left at its default.
+PLACEMENTS = {
+    "cpu_none": (("cpu", False, False, False, False, False, False),
+                 (False, False, False, False, True, "device", "device", "host", False)),
+    # host offloading on a CPU device would be a second copy in the same memory: ignored
+    "cpu_host_both": (("cpu", False, True, True, False, False, False),
+                      (False, False, False, False, True, "device", "device", "host", False)),
+    "gpu_host_optimizer": (("meta", True, True, False, False, False, False),
+                           (True, False, False, False, False, "host", "device", "host", False)),
+    "gpu_host_params": (("meta", True, False, True, False, False, False),
+                        (False, True, False, False, False, "device", "host", "host", False)),
+    # both in host memory, still two tensors: the shard in compute precision for the gathers
+    "gpu_host_both": (("meta", True, True, True, False, False, False),
+                      (True, True, False, False, False, "host", "host", "host", False)),
+    "cpu_disk_optimizer": (("cpu", False, True, False, True, True, False),
+                           (True, False, True, False, False, "tier", "device", "tier", True)),
+    "cpu_disk_both": (("cpu", False, True, True, True, True, True),
+                      (True, True, True, True, True, "tier", "tier", "tier", True)),
+    # the disk asked for, but no tier made: nothing is offloaded
+    "cpu_disk_without_tier": (("cpu", False, True, False, False, True, False),
+                              (False, False, False, False, True, "device", "device", "host",
+                               False)),
+    "gpu_disk_optimizer_host_params": (("meta", True, True, True, True, True, False),
+                                       (True, True, True, False, False, "tier", "host", "tier",
+                                        False)),
+    "gpu_disk_params": (("meta", True, False, True, True, False, True),
+                        (False, True, False, True, False, "device", "tier", "host", False)),
+    # a tier, the disk flags left at their defaults: nothing goes to it
+    "cpu_tier_defaults": (("cpu", False, False, False, True, None, None),
+                          (False, False, False, False, True, "device", "device", "host", False)),
+}
+
+
+def _made(transfers: _Transfers, tier: _Tier | None, tensor: torch.Tensor) -> str:
+    if tier is not None and tier.made:
+        tier.made.clear()
+        return "tier"
+    if transfers.made:
+        transfers.made.clear()
+        return "host"
+    return "device" if tensor.device.type in ("cpu", "meta") else "?"
+
+
+@pytest.mark.parametrize("name", PLACEMENTS)
+def test_placement_puts_each_tensor_where_its_tier_says(name: str) -> None:
+    from zero_strategy.core.params import Placement
+
+    (device, apart, opt, par, has_tier, opt_disk, par_disk), expected = PLACEMENTS[name]
+    transfers, tier = _Transfers(apart), (_Tier() if has_tier else None)
+    disk = {k: v for k, v in (("optimizer_disk", opt_disk), ("params_disk", par_disk))
+            if v is not None}
+    p = Placement(torch.device(device), opt, par, transfers, None, tier=tier, **disk)
+    flags = (p.offload_optimizer, p.offload_params, p.optimizer_disk, p.params_disk,
+             p.master_is_shard)
+    made = (_made(transfers, tier, p.master_empty(4, torch.float32)),
+            _made(transfers, tier, p.shard_empty(4, torch.float32)),
+            _made(transfers, tier, p.master_grad_empty(4, torch.float32, "g")))
+    assert (*flags, *made, p.grad_shard_memory("g") is not None) == expected, name
+
+
+def test_placement_hands_the_tier_each_call_and_nothing_without_one() -> None:
+    from zero_strategy.core.params import Placement
+
+    t = torch.zeros(3)
+    for tier in (_Tier(), None):
+        p = Placement(torch.device("cpu"), True, True, _Transfers(False), None, tier=tier,
+                      optimizer_disk=True, params_disk=True)
+        p.read_ahead([t])
+        p.before_read([t])
+        p.before_write([t])
+        p.done_with([t], dirty=True)  # keep: False unless asked
+        p.done_with([t], dirty=False, keep=True)
+        assert p.to_overwrite(t) is t
+        if tier is not None:
+            ops = [(op, args) for op, args in tier.calls]
+            assert [op for op, _ in ops] == ["prefetch", "load", "ready", "release", "release",
+                                             "holds", "zero_range"], ops
+            assert ops[3][1] == (True, False) and ops[4][1] == (False, True), ops

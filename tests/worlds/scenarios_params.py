@@ -259,6 +259,25 @@ def _after_step(store: ParamStore, comm: Any) -> dict[str, Any]:
     return out
 
 
+def _tier_traffic(tier: Any, store: ParamStore, comm: Any) -> dict[str, Any]:
+    """Disk-tier bytes of gathers that change nothing: a clean shard is never written back,
+    and one released as the pass ends stays resident for the gather that follows (``keep``),
+    so two gathers read its file once."""
+    store.reshard()
+    tier.drain()  # kept files written back and dropped: the first gather reads
+    written, read, budget = tier.written_bytes, tier.read_bytes, tier.keep_bytes
+    # the budget the engine sets counts elements, not the page-sized files of these tiny
+    # shards: room for this one, so what is asked is whether the store asks to keep it
+    tier.keep_bytes = 2 * tier.file_bytes([store.shard])
+    for _ in range(2):
+        _whole(store, comm)
+        store.reshard()
+    tier.drain()
+    tier.keep_bytes = budget
+    return {"written": tier.written_bytes - written, "read": tier.read_bytes - read,
+            "file": tier.file_bytes([store.shard]), "direct": tier.direct}
+
+
 def stores(layout: str) -> dict[str, Any]:
     engine = _engine(layout)
     comm = engine.shards
@@ -283,6 +302,12 @@ def stores(layout: str) -> dict[str, Any]:
         info["edits"] = _edits(store, comm)
         info["sharing"] = _sharing(store, comm)
         info["after_step"] = _after_step(store, comm)
+        if store.gathers:
+            # a CPU device: the at-rest shard is sent as it is, even from the disk tier (a
+            # staged copy would cost a fresh allocation and a copy of every gathered byte)
+            info["sends_shard_itself"] = store._device_shard() is store.shard
+        if engine.tier is not None and store.gathers and engine.tier.holds(store.shard):
+            info["tier"] = _tier_traffic(engine.tier, store, comm)
         if store.gathers:
             store.reshard()
         info["end_state"] = store.state.value
