@@ -55,6 +55,10 @@ def test_stores_write_adopt_discard_and_gather_the_values_given(
         # the layout is worth testing: some parameter falls across two ranks' shards
         assert shards == 1 or any(u["straddles"] for u in units), units
         assert r["disk"] == ("disk" in layout)
+        # generation holds gathered units: stage 3's, every element of each once (fp32 or
+        # bf16 compute copies of the padded flat buffers); at stages 1-2 nothing
+        held = sum(u["padded"] * (2 if "bf16" in layout else 4) for u in units)
+        assert r["generation"] == ([True, held] if sharded else [False, 0]), r["generation"]
         for u in units:
             _check_unit(layout, rank, shards, sharded, u)
 

@@ -293,7 +293,7 @@ def stores(layout: str) -> dict[str, Any]:
         bounds = [store.layout.shard_bounds(r)[1] for r in range(store.layout.num_shards - 1)]
         info: dict[str, Any] = {
             "name": unit.name, "kind": type(store).__name__, "rank": store.rank,
-            "num_shards": store.layout.num_shards,
+            "num_shards": store.layout.num_shards, "padded": store.layout.padded_numel,
             "straddles": any(s.offset < b < s.end for s in store.layout.slots for b in bounds),
             "master_dtype": str(store.policy.master_dtype),
             "compute_dtype": str(store.policy.compute_dtype),
@@ -313,6 +313,9 @@ def stores(layout: str) -> dict[str, Any]:
         info["end_state"] = store.state.value
         out["units"].append(info)
     out["disk"] = engine.tier is not None
+    report = engine.memory_report()  # only gathering stores are held for generation
+    out["generation"] = [report["generation_budget_bytes"] is not None,
+                         report["generation_held_bytes"]]
     out["first_is_view"] = getattr(first, "master_is_view", None)
     return out
 
