@@ -100,6 +100,7 @@ def _check_unit(layout: str, rank: int, shards: int, sharded: bool, u: dict) -> 
     if sharded:
         assert s["held_sharded"] == _held(layout, whole=False), (where, s)
         assert s["shares_sharded"] is False, (where, s)
+        assert s["placeholders"] and all(s["placeholders"]), (where, s)
 
     a = u["after_step"]
     # replicated: the gather of every rank's slice runs on after the call

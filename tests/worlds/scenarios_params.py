@@ -228,6 +228,11 @@ def _sharing(store: ParamStore, comm: Any) -> dict[str, Any]:
         store.reshard()
         out["held_sharded"] = _names(store)
         out["shares_sharded"] = store.shares_storage(view)
+        # resharded, each parameter holds a NaN placeholder of its shape, never a view of
+        # the freed buffer
+        out["placeholders"] = [list(p.shape) == list(slot.shape) and bool(p.isnan().all())
+                               and p.untyped_storage().data_ptr() != view.data_ptr()
+                               for p, slot in zip(store.params, store.layout.slots)]
         _whole(store, comm)
     return out
 
