@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from .groups import group_is_initialized
-
-if TYPE_CHECKING:
-    from .collectives import Communicator
 
 _ORPHANED_WORKS: list[Any] = []
 """Sends and receives never waited for whose group was destroyed (``Exchange.__del__``):
@@ -22,6 +19,15 @@ try:  # never freed, not even at interpreter exit
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(_ORPHANED_WORKS))
 except AttributeError:
     pass
+
+
+class Waiter(Protocol):
+    """What a handle waits through: the communicator that started its collective, which
+    bounds the wait and names the collective, the step and the peer in an error."""
+
+    def wait(self, work: Any, op: str, host: bool = False, peer: int | None = None) -> None:
+        """Block until ``work`` completes, within the timeout; a failure raises
+        ``CollectiveError`` naming ``op`` (and ``peer``, one side of a direct exchange)."""
 
 
 class Handle(Protocol):
@@ -55,7 +61,7 @@ class Pending:
     """An asynchronous collective; ``wait()`` is bounded by the communicator's timeout and
     turns a failure into an error naming the collective."""
 
-    def __init__(self, comm: Communicator, work: Any, op: str) -> None:
+    def __init__(self, comm: Waiter, work: Any, op: str) -> None:
         self.comm, self.work, self.op = comm, work, op
 
     def wait(self, host: bool = False) -> bool:
@@ -71,7 +77,7 @@ class Exchange:
     rank (in the group) it goes to or comes from; ``wait()`` waits for all of them (bounded
     like any collective), then runs ``finish`` once."""
 
-    def __init__(self, comm: Communicator, works: list[tuple[Any, int]], op: str,
+    def __init__(self, comm: Waiter, works: list[tuple[Any, int]], op: str,
                  finish: Callable[[], None] | None = None) -> None:
         self.comm, self.works, self.op, self.finish = comm, works, op, finish
 
