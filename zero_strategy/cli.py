@@ -205,9 +205,8 @@ def _compute_seconds(args: argparse.Namespace, params: int) -> float:
     return (8 if args.recompute else 6) * params * args.tokens / (args.tflops * 1e12)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zero-strategy", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_consolidate(sub: Any) -> None:
+    """``zero-strategy consolidate``: a checkpoint as one plain state_dict file."""
     c = sub.add_parser("consolidate", help="write a checkpoint as one plain state_dict file")
     c.add_argument("checkpoint", help="checkpoint directory (its 'latest' tag) or a tag directory")
     c.add_argument("out", help="output file: .safetensors (a plain state_dict), or .ckpt for "
@@ -215,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tag", help="tag to read instead of 'latest'")
     c.add_argument("--dtype", choices=sorted(_DTYPES), help="cast floating tensors")
     c.set_defaults(func=_consolidate)
+
+
+def _add_convert(sub: Any) -> None:
+    """``zero-strategy convert``: a checkpoint rewritten as dcp, hf or zero."""
     v = sub.add_parser(
         "convert", help="rewrite a checkpoint (ours, DeepSpeed ZeRO or DCP) as dcp, hf or zero",
         description="Rewrite a checkpoint, ours or DeepSpeed's (ZeRO 1-3) or a "
@@ -234,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="unpickle the source's files with full pickle (runs code they name): "
                    "only for checkpoints you trust as code")
     v.set_defaults(func=_convert)
+
+
+def _add_estimate(sub: Any) -> None:
+    """``zero-strategy estimate``: per-rank memory by the ZeRO formula."""
     e = sub.add_parser("estimate", help="per-rank memory of every stage, by the ZeRO formula")
     e.add_argument("--params", type=_parse_count,
                    help="e.g. 124M, 7B (default: counted from --model-config)")
@@ -254,6 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where training runs: dropout masks and attention save differently "
                    "(the cpu figures are measured, the cuda ones argued from the kernels)")
     e.set_defaults(func=_estimate)
+
+
+def _add_link(sub: Any) -> None:
+    """``zero-strategy link``: a step's bytes and time across the node links."""
     k = sub.add_parser(
         "link", help="bytes and time of a step across the links between nodes, per stage "
         "and option", description="Predict, per ZeRO stage and option (int8 weights and "
@@ -283,6 +294,13 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--precision", default="32-true", choices=PRECISIONS)
     k.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
     k.set_defaults(func=_link)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zero-strategy", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_consolidate, _add_convert, _add_estimate, _add_link):
+        add(sub)
     return parser
 
 

@@ -91,17 +91,9 @@ def estimate_memory(
     ``offload_optimizer="disk"`` puts the optimizer bytes (and the reduced gradients where the
     host is the device) in ``disk_bytes``, ``offload_params="disk"`` the parameter shards;
     ``largest_unit_numels`` (the engine's units' shard sizes) size ``window_bytes``."""
-    if not isinstance(num_params, int) or num_params < 0:
-        raise ValueError(f"num_params must be an int >= 0, got {num_params!r}")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    for name, value in (("optimizer_states", optimizer_states), ("placed_states", placed_states),
-                        ("placed_params", placed_params), ("owned_params", owned_params)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    if not owned_params <= placed_params <= num_params:
-        raise ValueError(f"need owned_params <= placed_params <= num_params, got "
-                         f"{owned_params}, {placed_params}, {num_params}")
+    _check_counts(num_params, world_size, optimizer_states=optimizer_states,
+                  placed_states=placed_states, placed_params=placed_params,
+                  owned_params=owned_params)
     config = ZeroConfig(  # validates stage/precision/offload combinations with the same rules
         stage=stage, precision=precision, reduce_dtype=reduce_dtype,
         offload_optimizer=offload_optimizer, offload_params=offload_params,
@@ -132,12 +124,8 @@ def estimate_memory(
     disk = ((optim if optimizer_disk else 0) + (params if params_disk else 0)
             + (grads if disk_grads else 0))
     params_resident = 0 if params_disk else params
-    window = 0
-    if optimizer_disk:
-        u1, u2 = ([*sorted(largest_unit_numels, reverse=True), 0, 0])[:2]
-        stepping = u1 + (1 + WRITES_IN_FLIGHT) * u2
-        window = (stepping * (state * (1 + optimizer_states) + g) + (u1 + 2 * u2) * (p + g)
-                  + keep_budget([u1, u2], state))
+    window = (_disk_window(largest_unit_numels, state, optimizer_states, p, g)
+              if optimizer_disk else 0)
     resident = params_resident + (0 if disk_grads else grads) + (0 if optimizer_disk else optim)
     return MemoryEstimate(
         num_params=num_params, stage=stage, world_size=n, precision=precision,
@@ -145,6 +133,31 @@ def estimate_memory(
         params_bytes=params, grads_bytes=grads, optimizer_bytes=optim,
         device_bytes=resident - host, host_bytes=host, disk_bytes=disk, window_bytes=window,
     )
+
+
+def _check_counts(num_params: int, world_size: int, **counts: int) -> None:
+    if not isinstance(num_params, int) or num_params < 0:
+        raise ValueError(f"num_params must be an int >= 0, got {num_params!r}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    for name, value in counts.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    owned, placed = counts["owned_params"], counts["placed_params"]
+    if not owned <= placed <= num_params:
+        raise ValueError(f"need owned_params <= placed_params <= num_params, got "
+                         f"{owned}, {placed}, {num_params}")
+
+
+def _disk_window(largest_unit_numels: tuple[int, ...], state: int, optimizer_states: int,
+                 p: int, g: int) -> int:
+    """Device bytes the disk tier's step streams through at once: the unit stepping and
+    those read ahead or written back (``WRITES_IN_FLIGHT``), each with its master, states and
+    gradient, the gathered copies of the two largest units, and the kept budget."""
+    u1, u2 = ([*sorted(largest_unit_numels, reverse=True), 0, 0])[:2]
+    stepping = u1 + (1 + WRITES_IN_FLIGHT) * u2
+    return (stepping * (state * (1 + optimizer_states) + g) + (u1 + 2 * u2) * (p + g)
+            + keep_budget([u1, u2], state))
 
 
 def storage_bytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
