@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REGIME = dict(n_layer=12, n_embd=1024, n_head=16, vocab=16384, seq=32)
 STATE_BYTES_PER_PARAM = 16
@@ -76,23 +77,19 @@ def _io() -> tuple[int, int]:
     return int(fields["read_bytes"]), int(fields["write_bytes"])
 
 
-def train(tier: str, args: argparse.Namespace) -> dict:
-    """One side's run: ``args`` as main() parses them (steps, layers, width, seq, offload
-    dir, activation checkpointing and where the checkpointed inputs rest)."""
+def _model(tier: str, args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+    """The GPT-2 on the meta device (initialised unit by unit by transformers' own init when
+    the engine builds it), its AdamW and the side's ZeroConfig."""
     import torch
-    import torch.distributed as dist
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import zero_strategy as zs
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    dist.init_process_group("gloo", rank=0, world_size=1)
     config = GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=REGIME["n_head"],
                         vocab_size=REGIME["vocab"], n_positions=args.seq, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
     torch.manual_seed(1234)
-    with torch.device("meta"):  # initialised unit by unit, by transformers' own init
+    with torch.device("meta"):
         model = GPT2LMHeadModel(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95),
                                   weight_decay=0.1, eps=1e-8)
@@ -102,6 +99,21 @@ def train(tier: str, args: argparse.Namespace) -> dict:
                          activation_checkpointing=args.checkpointing,
                          offload_activations=args.offload_activations or False,
                          precision=args.precision)
+    return config, model, optimizer, zero
+
+
+def train(tier: str, args: argparse.Namespace) -> dict:
+    """One side's run: ``args`` as main() parses them (steps, layers, width, seq, offload
+    dir, activation checkpointing and where the checkpointed inputs rest)."""
+    import torch
+    import torch.distributed as dist
+
+    import zero_strategy as zs
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    config, model, optimizer, zero = _model(tier, args)
     predicted = zs.estimate_activations(config, batch_size=1, seq_len=args.seq,
                                         checkpointing=args.checkpointing).as_dict()
     baseline = _resident()  # torch, transformers and the empty (meta) model

@@ -90,6 +90,25 @@ def _callbacks(cfg: Any, metrics: JobMetrics, nodes: NodeAgreement | None,
     return callbacks
 
 
+def _trainer(cfg: Any, module: RecipeModule, processes: dict[str, Any], callbacks: list[Any],
+             job: Path) -> L.Trainer:
+    """The job's Trainer: every option from the composed config, checkpoints and metrics
+    by the recipes' own callbacks."""
+    return L.Trainer(
+        accelerator=cfg.trainer.accelerator, **processes,
+        strategy=make_strategy(cfg, module), precision=cfg.precision.name,
+        max_steps=int(cfg.trainer.max_steps),
+        accumulate_grad_batches=int(cfg.trainer.accumulate_grad_batches),
+        gradient_clip_val=float(cfg.trainer.gradient_clip_val),
+        val_check_interval=int(cfg.trainer.val_check_interval), check_val_every_n_epoch=None,
+        limit_val_batches=int(cfg.trainer.limit_val_batches),
+        log_every_n_steps=int(cfg.trainer.log_every_n_steps),
+        enable_progress_bar=bool(cfg.trainer.progress_bar), enable_checkpointing=False,
+        enable_model_summary=True, logger=False, callbacks=callbacks,
+        default_root_dir=str(job),
+    )
+
+
 def main(config_file: str, launcher: Any = None) -> None:
     """One worker of the job. ``launcher``: the hooks of a Ray Train worker
     (``recipes/ray_job.RayWorker``) when Ray started this one; torchrun's otherwise."""
@@ -120,19 +139,7 @@ def main(config_file: str, launcher: Any = None) -> None:
     warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended")
     processes = launcher.trainer_options(cfg) if launcher else {
         "devices": int(cfg.trainer.devices), "num_nodes": int(cfg.trainer.num_nodes)}
-    trainer = L.Trainer(
-        accelerator=cfg.trainer.accelerator, **processes,
-        strategy=make_strategy(cfg, module), precision=cfg.precision.name,
-        max_steps=int(cfg.trainer.max_steps),
-        accumulate_grad_batches=int(cfg.trainer.accumulate_grad_batches),
-        gradient_clip_val=float(cfg.trainer.gradient_clip_val),
-        val_check_interval=int(cfg.trainer.val_check_interval), check_val_every_n_epoch=None,
-        limit_val_batches=int(cfg.trainer.limit_val_batches),
-        log_every_n_steps=int(cfg.trainer.log_every_n_steps),
-        enable_progress_bar=bool(cfg.trainer.progress_bar), enable_checkpointing=False,
-        enable_model_summary=True, logger=False, callbacks=callbacks,
-        default_root_dir=str(job),
-    )
+    trainer = _trainer(cfg, module, processes, callbacks, job)
     start = ((launcher.resume_from(checkpoint) if launcher else None)
              or last_checkpoint(checkpoint) or resume_source(cfg.trainer.get("resume_from")))
     trainer.fit(module, datamodule=data, ckpt_path=start)
