@@ -35,9 +35,13 @@ if TYPE_CHECKING:
 # How many parameter-sized state tensors each optimizer keeps (the ZeRO formula's K / 4 in
 # fp32). Used for the memory prediction before the first step has created any state.
 _STATES_PER_PARAM = {
-    "Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1, "Adadelta": 2,
-    "RMSprop": 1, "Rprop": 2, "ASGD": 2,
+    "SGD": 0, "Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1,
+    "Adadelta": 2, "RMSprop": 1, "Rprop": 2, "ASGD": 1,
 }
+_OPTIONAL_STATES = {"SGD": ("momentum",), "Adam": ("amsgrad",), "AdamW": ("amsgrad",),
+                    "RMSprop": ("momentum", "centered")}
+"""Options that each add one parameter-sized state when set (SGD's momentum buffer, Adam's
+max_exp_avg_sq, RMSprop's momentum buffer and grad_avg)."""
 
 
 # torch's optimizers whose update of each element reads only that element's gradient and
@@ -368,10 +372,12 @@ class ShardedOptimizer:
 
 
 def known_states(optimizer: torch.optim.Optimizer) -> int:
+    """Parameter-sized states ``optimizer`` will keep, the most any of its groups' options
+    make (an optimizer not listed: 2, Adam's)."""
     name = type(optimizer).__name__
-    if name == "SGD":
-        return 1 if optimizer.defaults.get("momentum", 0) else 0
-    return _STATES_PER_PARAM.get(name, 2)
+    base, optional = _STATES_PER_PARAM.get(name, 2), _OPTIONAL_STATES.get(name, ())
+    return max((base + sum(1 for key in optional if group.get(key))
+                for group in optimizer.param_groups), default=base)
 
 
 def global_norm(grads: Iterable[torch.Tensor], norm_type: float, comm: Communicator,
