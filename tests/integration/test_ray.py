@@ -216,12 +216,14 @@ def test_a_report_holds_no_more_than_the_ranks_share_in_memory(entry: Path) -> N
     the share is the bound that tells the two apart.
     ``save_and_report`` also writes the shard, through one CPU tensor per unit and optimizer
     state (the writer's flat copies of the AdamW states, 8/12 of the rank's share) and
-    safetensors' serialisation of the file: bounded by the rank's share of the model states;
-    a gather of the model to report would be N times that."""
+    safetensors' serialisation of the file. The two can be alive at once: 8/12 of the share
+    plus the whole file, 1.67 shares (seen: 1.42 in one CI run, at most 1.0 in others); a
+    gather of the model to report would hold N shares of model states before any write."""
     share = model_state_bytes() / WORLD
     for rank in _uploads("engine_z3", entry):
         for report in rank:
-            assert 0 <= report["save_and_report_rss_growth"] <= share, (report, share)
+            bound = share * (8 / 12 + 1)
+            assert 0 <= report["save_and_report_rss_growth"] <= bound, (report, share)
     for name in ("fabric_z3", "accelerate_z2"):
         for rank in _uploads(name, entry):
             for report in rank:
