@@ -165,7 +165,7 @@ def _adopt(store: ParamStore, comm: Any, edit: torch.Tensor,
     expect[edit] = new.to(expect.dtype)
     out["adopt_master"] = torch.equal(after[inside], expect[inside])
     # untouched elements kept their full-precision master values, not the compute rounding
-    untouched = _untouched(inside, edit)
+    untouched = inside[~torch.isin(inside, edit)]
     out["untouched_exact"] = torch.equal(after[untouched], before[untouched])
     _regather(store, comm)
     out["adopt_compute"] = torch.equal(store.full[inside],
@@ -204,12 +204,6 @@ def _edits(store: ParamStore, comm: Any) -> dict[str, Any]:
     out.update(adopted)
     out.update(_discard(store, comm, edit, new + 1, expect))
     return out
-
-
-def _untouched(inside: torch.Tensor, edit: torch.Tensor) -> torch.Tensor:
-    keep = torch.ones(int(inside.max()) + 1, dtype=torch.bool)
-    keep[edit] = False
-    return inside[keep[inside]]
 
 
 def _names(store: ParamStore) -> dict[str, list[list[str]]]:

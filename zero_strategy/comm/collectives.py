@@ -159,7 +159,7 @@ class Communicator:
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, timeout: float | None = None,
                  step: Callable[[], int] | None = None) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
+        if not groups.group_is_initialized():
             raise RuntimeError(
                 "zero_strategy needs an initialised process group: call "
                 "torch.distributed.init_process_group('gloo' or 'nccl') before building a "

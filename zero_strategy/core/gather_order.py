@@ -84,13 +84,13 @@ class GatherOrder:
         if self.deferred:
             self._tag(unit)
         elif self.headers:
-            self._pending.append((unit, *self.send_header(unit.index)))
+            self._pending.append((unit, *self._send_header(unit.index)))
             return unit.index
         else:
             self._check_and_agree(unit)
         return None
 
-    def send_header(self, index: int) -> tuple[torch.Tensor, Handle]:
+    def _send_header(self, index: int) -> tuple[torch.Tensor, Handle]:
         self.sent += 1
         mine = torch.tensor([index, self._ready()], dtype=torch.int64)
         out = torch.empty(2 * self.world.world_size, dtype=torch.int64)
@@ -157,7 +157,7 @@ class GatherOrder:
         here, to wait for (what they carry is discarded with the pass)."""
         counts = self.world.agree(self.sent)
         for _ in range(max(counts) - self.sent):
-            self.send_header(-1)
+            self._send_header(-1)
         handles = [handle for _, _, handle in self._pending]
         self._pending.clear()
         return handles
