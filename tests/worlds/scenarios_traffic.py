@@ -1,6 +1,9 @@
 """The bytes a step sends, counted by the engine's communicators, beside what
 ``zero_strategy.perf`` predicts for it (tests/quick/test_traffic_counts.py).
 
+Also where stage 3 launches its reductions (``launches_in_backward``): during backward, as
+units complete, not held to the end of backward for want of a gather check to agree on.
+
 A tiny language model shaped like GPT-2 (2 blocks of width 64: units of every kind, a tied
 root unit kept whole from forward to backward, biases and LayerNorms small enough to stay
 whole on every rank) takes one step to settle, then one counted step. At N=2: stages 0-3,
@@ -54,10 +57,10 @@ class TiedLM(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
 
 
-def _model(device: str = "cpu") -> torch.nn.Module:
+def _model(device: str = "cpu", blocks: int = 2) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.device(device):
-        return TiedLM()
+        return TiedLM(blocks=blocks)
 
 
 def _step(engine: zs.ZeroEngine, generator: torch.Generator) -> None:
@@ -91,4 +94,47 @@ def step_bytes() -> dict[str, Any]:
             "predicted_across": rank_bytes(replicas, layout),
         }
         engine.close()
+    return out
+
+
+LAUNCH_CASES = {
+    2: {"stage3": {"stage": 3, **SMALL}},
+    4: {"stage3": {"stage": 3, **SMALL},
+        "stage3_hybrid": {"stage": 3, "shard_group_size": 2, **SMALL}},
+}
+
+
+@scenario
+def launches_in_backward() -> dict[str, Any]:
+    """Per case and prefetch depth, the runtime's state at each reduction launched in the
+    counted step: "backward" (while gradients still arrive) or "post-backward" (at its end).
+    A depth of 8 keeps every unit whole from forward to backward, so backward gathers
+    nothing and no gather check ever agrees on anything before the end."""
+    world = dist.get_world_size()
+    out: dict[str, Any] = {}
+    for name, fields in LAUNCH_CASES[world].items():
+        for depth in (2, 8):
+            config = zs.ZeroConfig(**fields, prefetch_units=depth)
+            model = _model(blocks=4)
+            engine = zs.ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                   config)
+            states: list[str] = []
+            for unit in engine.units:
+                store = unit.grad_store
+                launch = store.launch_reduce
+
+                def recorded(comm: Any, launch: Any = launch, states: list[str] = states,
+                             runtime: Any = engine.runtime) -> None:
+                    states.append(runtime.state.value)
+                    launch(comm)
+
+                store.launch_reduce = recorded  # type: ignore[method-assign]
+            generator = torch.Generator().manual_seed(dist.get_rank())
+            _step(engine, generator)
+            states.clear()
+            _step(engine, generator)
+            out[f"{name}_depth{depth}"] = {
+                "states": states,
+                "trained_units": sum(any(p.requires_grad for p in u.params) for u in engine.units)}
+            engine.close()
     return out

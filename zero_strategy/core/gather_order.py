@@ -19,10 +19,9 @@ group communicates:
   gathered;
 - ``check_gather_order="blocking"``: a blocking exchange before each gather.
 
-In backward a header (or blocking exchange) also carries how many units this rank has
-complete in launch order; the least over the ranks is handed to ``agreed``, which limits the
-reductions the runtime launches, so every rank launches the same reductions at the same
-point of the gather sequence (``runtime.py``).
+In backward a header (or blocking exchange) also carries how many reductions this rank has
+launched, in launch order; the least over the ranks is handed to ``agreed``: the reductions
+the runtime may block on, since every rank has launched them (``runtime.py``).
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ class GatherOrderError(RuntimeError):
 class GatherOrder:
     """``comm``: the group gathering (the shard group under hybrid sharding); ``world``: every
     rank, all of which check (replicas reduce in the order their groups gathered).
-    ``ready()``: this rank's count of units complete in launch order; ``agreed(least)``:
+    ``ready()``: this rank's count of reductions launched, in launch order; ``agreed(least)``:
     called with the least count over the ranks each time one is read."""
 
     def __init__(self, units: list[Unit], comm: Communicator, world: Communicator,
@@ -72,8 +71,8 @@ class GatherOrder:
 
     @property
     def agrees_launches(self) -> bool:
-        """Whether the check agrees, at each gather of backward, how far reductions may be
-        launched (not where it is read only at the end)."""
+        """Whether the check agrees, at each gather of backward, which reductions every rank
+        has launched (not where it is read only at the end)."""
         return self.check and not self.deferred
 
     def before_gather(self, unit: Unit) -> int | None:
@@ -98,8 +97,8 @@ class GatherOrder:
 
     def read(self, upto: Unit | None = None) -> None:
         """Check the headers of the gathers issued so far, in order, up to ``upto``'s (all
-        by default). Each gather's headers agree how far reductions may be launched: the
-        least count of complete units any rank had when it issued that gather."""
+        by default). Each gather's headers agree which reductions may be waited for: the
+        least count of reductions any rank had launched when it issued that gather."""
         if upto is not None and all(u is not upto for u, _, _ in self._pending):
             return
         while self._pending:
@@ -108,7 +107,7 @@ class GatherOrder:
 
     def poll(self) -> None:
         """Read the headers that have arrived, without waiting for any: the agreement on
-        how far reductions may be launched then takes effect as soon as every rank's header
+        which reductions may be waited for then takes effect as soon as every rank's header
         is in, not when this rank next waits for a gather (the side channel keeps them from
         queueing behind gathered rows)."""
         while self._pending and self._pending[0][2].ready():

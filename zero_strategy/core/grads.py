@@ -176,6 +176,14 @@ class GradStore(ABC):
         self._pending = (reduce(out, async_op=True), out)
         self._crossed = True
 
+    def reduced(self) -> bool:
+        """Whether the pending reduction is in, across replicas too, so ``finish_reduce``
+        waits for no peer. Never blocks: polled on the oldest reduction in flight only, so a
+        crossing it starts is in launch order, as ``advance`` requires."""
+        if self._pending is None:
+            return True
+        return self.advance() and self._pending[0].ready()
+
     def wait(self, cross: bool = True) -> torch.Tensor | None:
         """The reduced tensor, once in; ``cross``: summed across replicas too (hybrid
         sharding; not for a reduction of a pass being abandoned)."""

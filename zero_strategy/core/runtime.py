@@ -11,15 +11,18 @@ different code (mixture-of-experts routing leaves an expert unused on one rank o
   forward's unit order, then the remaining units by index), a unit whose gradients are ready
   early waits for its predecessors, and a unit some of whose gradients never arrive on this
   rank is launched at the end of backward, still in that order;
-- where backward also gathers (stage 3) and the gather order is checked on the host, each
-  check also exchanges how many units each rank has complete, and reductions are launched
-  only up to the smallest count, at those checks (when a gather's headers are read, or at a
-  blocking check): every rank then launches the same reductions at the same point of the
-  gather sequence, so a rank waiting for a reduction (the in-flight window) never waits for
-  a peer that waits for a gather this rank has not issued. Without it, which comes first on
-  a rank when ranks run different modules (experts),
-  a unit's completion or the next unit's gather, depends on its data, and two ranks could
-  hang each other (found by tests/support/space.py);
+- where backward also gathers (stage 3) and the gather order is checked on the host, a
+  reduction is launched as soon as its unit and those before it are complete, but a rank
+  *waits* for one (to keep the in-flight window) only once every rank has launched it: each
+  check also exchanges how many reductions each rank has launched, and the smallest count is
+  what may be waited for. A reduction in flight beyond it is finished only when found in;
+  otherwise launches stop until a later hook. So a rank never waits for a reduction a peer
+  has not launched while that peer waits for a gather this rank has not issued. Which comes
+  first on a rank when ranks run different modules (experts), a unit's completion or the
+  next unit's gather, depends on its data, and blocking on unagreed reductions let two ranks
+  hang each other (found by tests/support/space.py). Launching without waiting for a gather
+  check matters at the end of backward: the units that complete after the last gather
+  reduce while the rest of backward computes, not after it;
 - a module's forward inside backward is a checkpointed module recomputing: its units are
   gathered then and stay whole through the backward that follows at once (freed when their
   gradients arrive), so a step gathers each unit once for forward and once for backward as
@@ -146,7 +149,7 @@ class Runtime(StateMachine):
         self.prefetch = int(prefetch)
         """Units gathered ahead of the one computing (0: none)."""
         self.gather_check = GatherOrder(units, comm, self.world, check_gather_order,
-                                        blocking_order_check, ready=lambda: self._ready,
+                                        blocking_order_check, ready=lambda: self._cursor,
                                         agreed=self._agree_launches)
         self._hooked: set[int] = set()
         """Units whose output the last forward hooked for backward: those backward gathers."""
@@ -233,21 +236,22 @@ class Runtime(StateMachine):
         """A pass's reductions, launched along ``order``; ``agree``: only as far as every
         rank has come at the last gather check."""
         self._launch_order = order
+        self._position = {u.index: i for i, u in enumerate(order)}
         self._cursor = 0
         """Reductions launched this pass (a prefix of the launch order)."""
         self._ready = 0
         """Units complete this pass, counted from the start of the launch order."""
         self._agreed: int | None = 0 if agree else None
-        """The smallest ``_ready`` over the ranks at the last gather check, which launches may
-        not pass (None: no limit)."""
+        """The smallest ``_cursor`` over the ranks at the last gather check: the reductions
+        every rank has launched, the only ones this rank may block on (None: any)."""
         self._complete: set[int] = set()
         self._reduced_early: set[int] = set()
         """Routed blocks reduced early in this backward: a gradient of theirs arriving after
         that would be lost, and is refused."""
 
     def _agree_launches(self, least: int) -> None:
-        """The least count of complete units over the ranks, read from a gather's check: in
-        backward, reductions are launched up to it (``_launch_ready``)."""
+        """The least count of launched reductions over the ranks, read from a gather's
+        check: in backward, this rank may wait for those (``_window_open``)."""
         if self._agreed is not None:
             self._agreed = least
             self._launch_ready()
@@ -489,7 +493,7 @@ class Runtime(StateMachine):
     def pre_backward(self, unit: Unit) -> None:
         self._ensure_callback()
         self.gather_check.poll()
-        self._advance_crossings()
+        self._launch_ready()  # what a full window held back may have room now
         if unit.index not in self._traced:
             self._traced.add(unit.index)
             self._backward_trace.append(unit)
@@ -572,8 +576,7 @@ class Runtime(StateMachine):
         order = self._launch_order
         while self._ready < len(order) and order[self._ready].index in self._complete:
             self._ready += 1
-        limit = self._ready if self._agreed is None else min(self._ready, self._agreed)
-        while self._cursor < limit:
+        while self._cursor < self._ready and self._window_open():
             unit = order[self._cursor]
             self._cursor += 1
             if not unit.trains:  # nothing to reduce, on every rank alike
@@ -581,8 +584,20 @@ class Runtime(StateMachine):
             with record_function("zero::reduce"):
                 unit.grad_store.launch_reduce(self.comm)
             self._launched.append(unit)
-            while len(self._launched) > MAX_INFLIGHT_REDUCTIONS:
-                self._finish(self._launched.pop(0))
+        self._window_open()
+
+    def _window_open(self) -> bool:
+        """Finish the oldest reductions while more than ``MAX_INFLIGHT_REDUCTIONS`` are in
+        flight; False when one must stay: it is not in yet, and a peer may not have launched
+        it (not agreed), so waiting for it could wait for a peer that waits for a gather this
+        rank has not issued. Launches then stop until a later hook finds it in."""
+        while len(self._launched) > MAX_INFLIGHT_REDUCTIONS:
+            oldest = self._launched[0]
+            agreed = self._agreed is None or self._position[oldest.index] < self._agreed
+            if not (agreed or oldest.grad_store.reduced()):
+                return False
+            self._finish(self._launched.pop(0))
+        return True
 
     def end_backward(self) -> None:
         """Reduce what unused parameters left pending, wait for every reduction, agree on
