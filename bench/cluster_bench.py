@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -157,13 +158,15 @@ def run_one(cluster: box.Cluster, command: list[str], out: Path, logs: Path,
 
 
 def _last_error(logs: Path) -> str:
-    """The last line naming an exception in any node's log."""
+    """The last line naming an exception in any node's log: a rank's own (torchrun prefixes
+    it with ``[rankN]:``), not torchrun's ``ChildFailedError`` that reports it."""
     found = ""
     for log in sorted(logs.glob("node*.log")):
         for line in log.read_text(errors="replace").splitlines():
-            text = line.strip()
+            text = re.sub(r"^\[rank\d+\]:\s*", "", line.strip())
             if ("Error" in text or "Exception" in text) and ":" in text and not \
-                    text.startswith(("File ", "raise ", "[rank", "error_file")):
+                    text.startswith(("File ", "raise ", "error_file")) and \
+                    "ChildFailedError" not in text:
                 found = text
     return found[:400] or "no error in the logs"
 

@@ -14,7 +14,7 @@ runs can hide behind it; how much does is the schedule's (``OVERLAP``)::
 the optimizer step, between the last reduction and the next gather, hiding nothing.
 
 Left out: the link's latency (each collective is taken at the link's rate; a schedule of
-many small blocking round trips pays more, as stage 3's gather-order check does), traffic
+many small blocking round trips pays more, as ``check_gather_order="blocking"`` does), traffic
 inside a node (taken as free: shared memory, NVLink), compute slowed by the communication's
 own CPU work, and the step's small collectives.
 """
@@ -36,18 +36,22 @@ from .traffic import (
 
 OVERLAP = {
     "stage0": 0.2,
-    "stages12": 0.5,
-    "stage3_checked": 0.0,
-    "stage3": 0.25,
+    "stages12": 0.55,
+    "stage3": 0.3,
+    "stage3_blocking": 0.0,
 }
-"""The share of min(compute, link) a schedule hides, as the engine runs today (issue 55's
-run of 2026-11-28: 2 nodes x 1 process, 1 Gbit/s, the throughput regime of bench/compare.py).
-stage 0: the gradients' all-reduce launched as buckets fill in backward (DDP's schedule);
+"""The share of min(compute, link) a schedule hides, as the engine runs today, fitted on the
+cluster bench's 2 nodes x 1 process cells at 1 and 2 Gbit/s (the throughput regime of
+bench/compare.py, docs/performance/cluster-2026-11-29.md; the fits per cell: stages 1-2
+0.46-0.62, stage 3 0.17-0.42, lower where compute is the longer part: the communication's own
+CPU work slows compute on the same cores, which the model leaves out). stage 0: the
+gradients' all-reduce launched as buckets fill in backward (DDP's schedule; not refitted);
 stages 1-2: reduce-scatters launched in backward, and the parameters' all-gather after the
-step waited for bucket by bucket in the next forward; stage 3 on the host (gloo) with the
-default gather-order check: none, each gather's check is a blocking round trip behind the
-previous gather's bytes; stage 3 without it (``check_gather_order=False``) or on a GPU
-(where the check is read once per backward): the prefetch of the next unit."""
+step waited for bucket by bucket in the next forward; stage 3: the prefetch of the next
+units, reductions launched as units complete, the gather-order check's headers beside the
+gathers (no round trip of their own); ``check_gather_order="blocking"``: none, each gather
+waits for a round trip behind the previous gather's bytes."""
+
 
 @dataclass(frozen=True)
 class Rates:
@@ -86,14 +90,14 @@ class StepPrediction:
         return asdict(self)
 
 
-def schedule(options: Options, check_gather_order: bool = True) -> str:
-    """The ``OVERLAP`` key of a configuration."""
+def schedule(options: Options, check_gather_order: bool | str = True) -> str:
+    """The ``OVERLAP`` key of a configuration (``check_gather_order`` as ``ZeroConfig``
+    takes it)."""
     if options.stage == 0:
         return "stage0"
     if options.stage in (1, 2):
         return "stages12"
-    blocking = check_gather_order and options.backend == "gloo"
-    return "stage3_checked" if blocking else "stage3"
+    return "stage3_blocking" if check_gather_order == "blocking" else "stage3"
 
 
 def codec_passes(collectives: Sequence[Collective], layout: Layout, numel: int) -> float:
@@ -112,7 +116,8 @@ def codec_passes(collectives: Sequence[Collective], layout: Layout, numel: int) 
 
 
 def predict(units: ModelUnits, options: Options, layout: Layout, rates: Rates,
-            check_gather_order: bool = True, overlap: float | None = None) -> StepPrediction:
+            check_gather_order: bool | str = True,
+            overlap: float | None = None) -> StepPrediction:
     """One step of the engine on ``units`` under ``options`` across ``layout``'s links."""
     if overlap is None:
         overlap = OVERLAP[schedule(options, check_gather_order)]
