@@ -375,7 +375,8 @@ def _maxrss_mib() -> float:
 
 
 def train(system: Any, batches: Any, census_step: int, warmup: int) -> dict[str, Any]:
-    """Every step on this rank: loss, seconds (the whole step, and its forward+backward),
+    """Every step on this rank: loss, seconds (the whole step from the barrier that starts it,
+    and its forward+backward),
     the model-state bytes after the backward of ``census_step`` (all three kinds exist
     then; that count is not timed), and on a node of bench/cluster.py the bytes its link
     carried over the steps after ``warmup``."""
@@ -384,14 +385,20 @@ def train(system: Any, batches: Any, census_step: int, warmup: int) -> dict[str,
 
     losses, seconds, fwd_bwd, state, link = [], [], [], {}, None
     for i, x in enumerate(batches):
-        dist.barrier()  # every rank starts the step together; the wait is not the step's
+        start = time.perf_counter()
+        # Every rank starts the step together. The wait is the step's: a barrier queues
+        # behind what the last step left in flight on the same connections (stages 1-2 of
+        # ours gather the updated parameters after step() returns), and untimed it hid that
+        # gather's link time (a step of zs_zero1 shorter than its own bytes at the link's
+        # rate, 2026-11-29).
+        dist.barrier()
         if i == warmup:
             link = link_counters()
-        start = time.perf_counter()
+        begun = time.perf_counter()
         system.zero_grad()
         losses.append(system.forward_backward(x))
         counted = time.perf_counter()
-        fwd_bwd.append(counted - start)
+        fwd_bwd.append(counted - begun)
         if i == census_step:
             state = system.state_bytes()
         untimed = time.perf_counter() - counted

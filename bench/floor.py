@@ -115,8 +115,8 @@ def train_stage(args: argparse.Namespace, stage: int) -> float:
     times = []
     for i in range(args.steps + 2):
         ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
-        dist.barrier()
         start = time.perf_counter()
+        dist.barrier()  # timed: it waits for the last step's gather of updated parameters
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.clip_grad_norm_(1.0)
         engine.step()
