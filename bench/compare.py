@@ -375,23 +375,25 @@ def _maxrss_mib() -> float:
 
 
 def train(system: Any, batches: Any, census_step: int, warmup: int) -> dict[str, Any]:
-    """Every step on this rank: loss, seconds (the whole step from the barrier that starts it,
-    and its forward+backward),
+    """Every step on this rank: loss, seconds (the whole step, and its forward+backward),
     the model-state bytes after the backward of ``census_step`` (all three kinds exist
     then; that count is not timed), and on a node of bench/cluster.py the bytes its link
-    carried over the steps after ``warmup``."""
+    carried over the steps after ``warmup``.
+
+    Ranks meet at a barrier before each step and once after the last, and a step is the
+    time from the barrier that starts it to the next one, the same on every rank. So it
+    holds what the step left in flight that the next barrier waits for (ours at stages 1-2
+    gathers the updated parameters after ``step()`` returns), and a slower peer's time once.
+    Until 2026-11-29 a step was timed from after its barrier to the end of ``step()``,
+    which hid that gather: a step of zs_zero1 across a 1 Gbit/s link came out shorter than
+    its own bytes at the link's rate."""
     import torch.distributed as dist
     from cluster import link_counters
 
     losses, seconds, fwd_bwd, state, link = [], [], [], {}, None
+    dist.barrier()
+    mark = time.perf_counter()
     for i, x in enumerate(batches):
-        start = time.perf_counter()
-        # Every rank starts the step together. The wait is the step's: a barrier queues
-        # behind what the last step left in flight on the same connections (stages 1-2 of
-        # ours gather the updated parameters after step() returns), and untimed it hid that
-        # gather's link time (a step of zs_zero1 shorter than its own bytes at the link's
-        # rate, 2026-11-29).
-        dist.barrier()
         if i == warmup:
             link = link_counters()
         begun = time.perf_counter()
@@ -403,8 +405,10 @@ def train(system: Any, batches: Any, census_step: int, warmup: int) -> dict[str,
             state = system.state_bytes()
         untimed = time.perf_counter() - counted
         system.step()
-        seconds.append(time.perf_counter() - start - untimed)
-    dist.barrier()
+        dist.barrier()  # every rank starts the next step together
+        now = time.perf_counter()
+        seconds.append(now - mark - untimed)
+        mark = now
     end = link_counters()
     out = {"losses": losses, "step_s": seconds, "fwd_bwd_s": fwd_bwd, "state_bytes": state}
     if link is not None and end is not None:
