@@ -380,18 +380,19 @@ def train(system: Any, batches: Any, census_step: int, warmup: int) -> dict[str,
     then; that count is not timed), and on a node of bench/cluster.py the bytes its link
     carried over the steps after ``warmup``.
 
-    Ranks meet at a barrier before each step and once after the last, and a step is the
-    time from the barrier that starts it to the next one, the same on every rank. So it
-    holds what the step left in flight that the next barrier waits for (ours at stages 1-2
-    gathers the updated parameters after ``step()`` returns), and a slower peer's time once.
-    Until 2026-11-29 a step was timed from after its barrier to the end of ``step()``,
-    which hid that gather: a step of zs_zero1 across a 1 Gbit/s link came out shorter than
-    its own bytes at the link's rate."""
+    Steps run back to back, as in a training loop: a step is the time from the end of the
+    one before (a barrier before the first), and the last also holds the barrier after it.
+    So the steps add up to the loop's time, and what a step leaves in flight (ours at
+    stages 1-2 gathers the updated parameters after ``step()`` returns) is counted where
+    it is waited for, overlapped with the next step's work as it would be in training. Until
+    2026-11-29 every step began after a barrier of its own, untimed, and that barrier waited
+    for the gather: a step of zs_zero1 across a 1 Gbit/s link came out shorter than its own
+    bytes at the link's rate."""
     import torch.distributed as dist
     from cluster import link_counters
 
     losses, seconds, fwd_bwd, state, link = [], [], [], {}, None
-    dist.barrier()
+    dist.barrier()  # every rank starts the loop together
     mark = time.perf_counter()
     for i, x in enumerate(batches):
         if i == warmup:
@@ -405,7 +406,8 @@ def train(system: Any, batches: Any, census_step: int, warmup: int) -> dict[str,
             state = system.state_bytes()
         untimed = time.perf_counter() - counted
         system.step()
-        dist.barrier()  # every rank starts the next step together
+        if i == len(batches) - 1:
+            dist.barrier()  # what the last step left in flight, and the slowest rank
         now = time.perf_counter()
         seconds.append(now - mark - untimed)
         mark = now

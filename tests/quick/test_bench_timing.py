@@ -1,8 +1,9 @@
-"""How bench/compare.py times a step, in process: from one barrier to the next, so the
-barrier a step ends with is part of it. A barrier waits for what the last step left in
-flight on the same connections (ours at stages 1-2 gathers the updated parameters after
-``step()`` returns); untimed, it hid that gather's link time, and a step of zs_zero1 across
-a 1 Gbit/s link came out shorter than its own bytes at the link's rate (2026-11-29)."""
+"""How bench/compare.py times a step, in process: steps back to back, a barrier before
+the first and after the last, the final one counted in the last step, so the steps add up
+to the loop's time. Until 2026-11-29 each step began after an untimed barrier of its own,
+and a barrier waits for what the last step left in flight (ours at stages 1-2 gathers the
+updated parameters after ``step()`` returns): a step of zs_zero1 across a 1 Gbit/s link
+came out shorter than its own bytes at the link's rate."""
 
 from __future__ import annotations
 
@@ -11,36 +12,56 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import compare  # noqa: E402
 
-BARRIER_S = 0.05  # what the barrier waits for here: the last step's gather, say
+IN_FLIGHT_S = 0.05  # what a step leaves in flight: a gather of updated parameters, say
 
 
-class Idle:
-    """A system whose own work takes no time."""
+class Slow:
+    """A system whose step leaves work in flight that the next barrier waits for (as a
+    gather of updated parameters would), and that the next forward waits for otherwise."""
+
+    def __init__(self) -> None:
+        self.pending_until = 0.0
+
+    def _wait_pending(self) -> None:
+        time.sleep(max(0.0, self.pending_until - time.perf_counter()))
 
     def zero_grad(self) -> None:
         pass
 
     def forward_backward(self, x: Any) -> float:
+        self._wait_pending()
         return 0.0
 
     def step(self) -> None:
-        pass
+        self.pending_until = time.perf_counter() + IN_FLIGHT_S
 
     def state_bytes(self) -> dict[str, int]:
         return {}
 
 
-def test_a_step_is_timed_from_one_barrier_to_the_next(monkeypatch: Any) -> None:
-    monkeypatch.setattr(dist, "barrier", lambda: time.sleep(BARRIER_S))
-    out = compare.train(Idle(), [None] * 3, census_step=1, warmup=1)
-    # each step waited BARRIER_S at one barrier and did nothing else: counted once
-    assert len(out["step_s"]) == 3
-    assert all(BARRIER_S <= s < 2 * BARRIER_S for s in out["step_s"]), out["step_s"]
-    # forward+backward alone holds no barrier
-    assert all(s < BARRIER_S for s in out["fwd_bwd_s"]), out["fwd_bwd_s"]
+def test_steps_add_up_to_the_loop_and_count_what_they_leave_in_flight(monkeypatch: Any) -> None:
+    system = Slow()
+    barriers: list[float] = []
+
+    def barrier() -> None:  # waits for what is in flight, as gloo's would behind a gather
+        barriers.append(time.perf_counter())
+        system._wait_pending()
+
+    monkeypatch.setattr(dist, "barrier", barrier)
+    start = time.perf_counter()
+    out = compare.train(system, [None] * 4, census_step=1, warmup=1)
+    loop = time.perf_counter() - start
+    # one barrier before the loop, one after it: none between steps to hide a wait in
+    assert len(barriers) == 2
+    # each step waits for the last one's in-flight work once (the first waits for none,
+    # the last for its own at the final barrier)
+    assert all(s >= IN_FLIGHT_S for s in out["step_s"][1:]), out["step_s"]
+    assert sum(out["step_s"]) == pytest.approx(loop, abs=0.02)
+    assert sum(out["step_s"]) >= 4 * IN_FLIGHT_S
