@@ -36,21 +36,22 @@ from .traffic import (
 
 OVERLAP = {
     "stage0": 0.2,
-    "stages12": 0.55,
-    "stage3": 0.3,
+    "stages12": 0.15,
+    "stage3": 0.2,
     "stage3_blocking": 0.0,
 }
-"""The share of min(compute, link) a schedule hides, as the engine runs today, fitted on the
-cluster bench's 2 nodes x 1 process cells at 1 and 2 Gbit/s (the throughput regime of
-bench/compare.py, docs/performance/cluster-2026-11-29.md; the fits per cell: stages 1-2
-0.46-0.62, stage 3 0.17-0.42, lower where compute is the longer part: the communication's own
-CPU work slows compute on the same cores, which the model leaves out). stage 0: the
-gradients' all-reduce launched as buckets fill in backward (DDP's schedule; not refitted);
-stages 1-2: reduce-scatters launched in backward, and the parameters' all-gather after the
-step waited for bucket by bucket in the next forward; stage 3: the prefetch of the next
-units, reductions launched as units complete, the gather-order check's headers beside the
-gathers (no round trip of their own); ``check_gather_order="blocking"``: none, each gather
-waits for a round trip behind the previous gather's bytes."""
+"""The share of min(compute, link) a schedule hides, as the engine runs today: the middle of
+the fits on the cluster bench's cells (docs/performance/cluster-2026-11-29.md, the throughput
+regime of bench/compare.py, steps timed back to back; per cell, stages 1-2 -0.56 to 0.26,
+stage 3 -0.18 to 0.37). The fits scatter, and go below 0 where compute is the longer part:
+on the bench's 2 shared cores the communication's own CPU work slows compute, which the
+model leaves out, and single runs vary by 10-30%. stage 0: the gradients' all-reduce
+launched as buckets fill in backward (DDP's schedule; not refitted); stages 1-2:
+reduce-scatters launched in backward, and the parameters' all-gather after the step waited
+for bucket by bucket in the next forward; stage 3: the prefetch of the next units,
+reductions launched as units complete, the gather-order check's headers beside the gathers
+(no round trip of their own); ``check_gather_order="blocking"``: none, each gather waits
+for a round trip behind the previous gather's bytes."""
 
 
 @dataclass(frozen=True)
