@@ -233,8 +233,8 @@ class Runtime(StateMachine):
         unit.param_store.finish_unshard()
 
     def _start_launches(self, order: list[Unit], agree: bool) -> None:
-        """A pass's reductions, launched along ``order``; ``agree``: only as far as every
-        rank has come at the last gather check."""
+        """A pass's reductions, launched along ``order``; ``agree``: this rank waits only for
+        those every rank had launched at the last gather check (``_window_open``)."""
         self._launch_order = order
         self._position = {u.index: i for i, u in enumerate(order)}
         self._cursor = 0
