@@ -5,10 +5,13 @@ such optimizers resumed at world size 1."""
 
 from __future__ import annotations
 
+import ast
+import re
+
 import pytest
 
 from tests.support.harness import check, run_world
-from tests.worlds.scenarios_optgroups import SHAPES, STAGES
+from tests.worlds.scenarios_optgroups import LATE_TO_OWNERS, SHAPES, STAGES
 
 # N=2: the reference averages the ranks' losses before one backward, the engine averages their
 # gradients; each step's gradients differ by a few ulps, which AdamW's normalised update
@@ -67,6 +70,28 @@ def test_what_cannot_be_trained_is_refused_by_name(world: dict, stage: int) -> N
         r["first_of_two_grown"] and "SGD, optimizer 0 of 2" in r["first_of_two_grown"]
     assert r["first_of_two_added"].startswith("ValueError") and "added to SGD, optimizer 0 of 2" \
         in r["first_of_two_added"], r["first_of_two_added"]
+    # emb.weight was appended to SGD 0, the other five to SGD 1: the message names the
+    # optimizer of the first parameter it lists, and lists five of the six
+    grown = r["two_of_three_grown"]
+    assert grown.startswith("ValueError"), grown
+    listed = ast.literal_eval(re.search(r"parameters (\[.*?\])", grown).group(1))
+    assert len(listed) == 5 and set(listed) < {"emb.weight", "blk2.lin.weight",
+                                               "blk2.lin.bias", "mix.weight", "head.weight",
+                                               "head.bias"}, grown
+    owner = 0 if listed[0] == "emb.weight" else 1
+    assert f"SGD, optimizer {owner} of 3" in grown, grown
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_the_last_of_two_optimizers_gains_a_group_as_torch(world: dict, stage: int) -> None:
+    """Parameters added to the last optimizer train with its arithmetic (AdamW), not the
+    first's (SGD): an SGD step of lr 0.1 on ``head`` would differ from AdamW's by ~1e-2."""
+    results = check(world[f"last_of_two_grows_stage{stage}"])
+    for r in results:
+        assert r["moved"] > 1e-3 and r["head_moved"] > 1e-3, r
+        if len(results) == 1:
+            assert r["bit_equal"], f"N=1 is torch's arithmetic, yet differs by {r['rel']:.2e}"
+        assert r["rel"] <= TOL, f"weights differ from plain torch by {r['rel']:.2e}"
 
 
 @pytest.mark.parametrize("stage", list(STAGES))
@@ -82,8 +107,10 @@ def test_owner_placed_optimizer_with_empty_groups(world: dict) -> None:
     results = check(world["owner_placed_stage3"])
     for r in results:
         _matches_torch(r, len(results))
-        assert "['head.weight', 'head.bias'] were added to Adafactor" in r["refused"] \
-            and "owning ranks" in r["refused"], r["refused"]
+        listed = ast.literal_eval(re.search(r"parameters (\[.*?\])", r["refused"]).group(1))
+        assert len(listed) == 5 and set(listed) < set(LATE_TO_OWNERS), r["refused"]
+        assert "were added to Adafactor" in r["refused"] and "owning ranks" in r["refused"], \
+            r["refused"]
 
 
 @pytest.mark.parametrize("case", ["first_empty", "all_but_one"])

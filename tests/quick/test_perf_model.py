@@ -173,3 +173,32 @@ def test_the_link_command_refuses_what_it_cannot_predict(
     assert cli.main(["link", "--nodes", "2", "--per-node", "1", "--link-gbps", "1",
                      *extra]) == 2
     assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("link_s", "compute_s", "hidden_codec"), [
+    (2.0, 0.9, 0.5),   # link-bound, codec 0.5 < the 1.1 s the cores wait: all of it hides
+    (1.2, 0.9, 0.3),   # link-bound by 0.3 s only: the codec hides 0.3 of its 0.5
+    (0.2, 0.6, 0.0),   # compute-bound: the cores never wait, the codec adds all of it
+])
+def test_the_codec_hides_in_the_wire_time_that_compute_leaves(
+        link_s: float, compute_s: float, hidden_codec: float) -> None:
+    """int8's codec runs on the cores while other chunks are on the wire, so it costs nothing
+    while the cores would wait for the link anyway (link - compute), and all of itself when
+    compute is the longer. Measured: the memory regime's int8 step (2 x 1, 1 Gbit/s) took
+    3.39 s where the old model, counting the codec in full, said 4.72
+    (docs/performance/cluster-2026-11-29-memory.md)."""
+    numel = 1_000_000
+    # one int8 all-gather over two ranks, one per node: 1.5 codec passes (encode the own
+    # half, decode the whole), and numel * (1/2) int8 bytes leave each node
+    collectives = [Collective("weights", "all_gather", numel, INT8_BYTES, "world", "ring",
+                              "forward")]
+    layout = Layout(2, 1)
+    nbytes = node_bytes(collectives, layout)
+    codec_s = 0.5 / 1.5
+    rates = Rates(link_bytes_per_s=nbytes / link_s, compute_s=compute_s, codec_s=codec_s)
+    p = time_step(collectives, layout, rates, numel, share=2, overlap=0.25)
+    assert p.codec_s == pytest.approx(0.5)
+    overlapped = 0.25 * min(compute_s, link_s)
+    assert p.hidden_s == pytest.approx(overlapped + hidden_codec)
+    assert p.step_s == pytest.approx(compute_s + link_s + 0.5 - overlapped - hidden_codec)
+    assert p.step_s >= p.floor_s

@@ -166,6 +166,43 @@ def late_groups(stage: int) -> dict[str, Any]:
     return out
 
 
+def last_of_two_grows(stage: int) -> dict[str, Any]:
+    """Two optimizers, SGD over ``blk`` and AdamW over the rest but ``head`` (frozen). After 2
+    steps ``head`` is unfrozen and added to the AdamW, the last, as a group of its own: its
+    pieces must join the AdamW's inner groups, not the SGD's; 2 more steps, against torch
+    stepping both optimizers."""
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    initial = copy.deepcopy(ref.state_dict())
+
+    def build(m: nn.Module, reference: bool) -> list[torch.optim.Optimizer]:
+        m.head.requires_grad_(False)
+        rest = [p for n, p in m.named_parameters() if p.requires_grad and not n.startswith("blk.")]
+        return [torch.optim.SGD(m.blk.parameters(), lr=0.1), adamw([{"params": rest}], reference)]
+
+    ref_opts = build(ref, True)
+    opts = build(model, False)
+    engine = zs.ZeroEngine(model, opts, zs.ZeroConfig(**STAGES[stage]))
+    gen = torch.Generator().manual_seed(5)
+    for step in range(4):
+        if step == 2:
+            for m, last in ((ref, ref_opts[1]), (model, opts[1])):
+                m.head.requires_grad_(True)
+                last.add_param_group({"params": list(m.head.parameters()), "lr": 0.05})
+        data = batches(gen, WORLD)
+        (sum(loss_plain(ref, ref, b) for b in data) / len(data)).backward()
+        for opt in ref_opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        engine_step(engine, data)
+    ours, theirs = engine.full_state_dict(), ref.state_dict()
+    return {"bit_equal": all(torch.equal(ours[k], v) for k, v in theirs.items()),
+            "rel": rel_diff(ours, theirs),
+            "moved": max((theirs[k] - v).abs().max().item() for k, v in initial.items()),
+            "head_moved": (ref.head.weight - initial["head.weight"]).abs().max().item()}
+
+
 def grown_in_place(stage: int) -> dict[str, Any]:
     """``head`` frozen at first; after 2 steps it is unfrozen and appended to the optimizer's
     empty first group in place (``param_groups[0]["params"].extend``), which torch's step
@@ -196,6 +233,10 @@ def grown_in_place(stage: int) -> dict[str, Any]:
     return out
 
 
+LATE_TO_OWNERS = ("emb.weight", "blk2.lin.weight", "blk2.lin.bias", "mix.weight", "head.weight",
+                  "head.bias")
+
+
 def owner_placed(stage: int) -> dict[str, Any]:
     """Adafactor (each parameter updated whole on an owning rank) with an empty first group,
     and an empty group added after 2 steps, against torch; then a group with parameters
@@ -206,7 +247,8 @@ def owner_placed(stage: int) -> dict[str, Any]:
     initial = copy.deepcopy(ref.state_dict())
 
     def build(m: nn.Module) -> torch.optim.Optimizer:
-        m.head.requires_grad_(False)
+        for frozen in LATE_TO_OWNERS:  # six: the refusal lists five of them
+            m.get_parameter(frozen).requires_grad_(False)
         return torch.optim.Adafactor(
             [{"params": []}, {"params": [p for p in m.parameters() if p.requires_grad]}],
             lr=0.02)
@@ -222,8 +264,10 @@ def owner_placed(stage: int) -> dict[str, Any]:
         ref_step(ref, ref_opt, data)
         engine_step(engine, data)
     out = compare(engine, ref, ref_opt, initial)
-    model.head.requires_grad_(True)
-    engine.user_optimizer.add_param_group({"params": list(model.head.parameters())})
+    late = [model.get_parameter(n) for n in LATE_TO_OWNERS]
+    for q in late:
+        q.requires_grad_(True)
+    engine.user_optimizer.add_param_group({"params": late})
     try:
         engine_step(engine, batches(gen, WORLD))
         out["refused"] = "no error"
@@ -270,6 +314,22 @@ def refusals(stage: int) -> dict[str, str]:
     sgd.param_groups[0]["params"].pop()
     sgd.add_param_group({"params": [model.head.weight]})
     attempt("first_of_two_added", lambda: engine_step(engine, batches(gen, WORLD)))
+    # three optimizers, six parameters unfrozen into the first two: the message lists five
+    # and names the optimizer of the first it lists (emb.weight to SGD 0, the rest to SGD 1)
+    torch.manual_seed(0)
+    model = Net()
+    late = [model.emb.weight, *model.blk2.parameters(), model.mix.weight,
+            *model.head.parameters()]
+    for q in late:
+        q.requires_grad_(False)
+    sgds = [torch.optim.SGD([{"params": [model.blk.lin.weight]}], lr=0.1),
+            torch.optim.SGD([{"params": [model.blk.lin.bias]}], lr=0.1)]
+    engine = zs.ZeroEngine(model, [*sgds, adamw([{"params": [model.pos.pos]}], False)], config)
+    for q in late:
+        q.requires_grad_(True)
+    sgds[0].param_groups[0]["params"].append(late[0])
+    sgds[1].param_groups[0]["params"].extend(late[1:])
+    attempt("two_of_three_grown", lambda: engine_step(engine, batches(gen, WORLD)))
     return out
 
 
@@ -319,6 +379,7 @@ for _stage in STAGES:
     register(f"late_stage{_stage}", late_groups, stage=_stage)
     register(f"refusals_stage{_stage}", refusals, stage=_stage)
     register(f"grown_in_place_stage{_stage}", grown_in_place, stage=_stage)
+    register(f"last_of_two_grows_stage{_stage}", last_of_two_grows, stage=_stage)
 register("owner_placed_stage3", owner_placed, stage=3)
 register("resume_alone_first_empty", resume_alone, stage=2, shape="first_empty")
 register("resume_alone_all_but_one", resume_alone, stage=0, shape="all_but_one")
