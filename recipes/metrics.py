@@ -169,6 +169,10 @@ class JobMetrics(L.Callback):
     # ----------------------------------------------------------- hooks
     def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.mark("fit_start")
+        # A requeued job resuming from a checkpoint at max_steps trains nothing: Lightning
+        # then skips on_train_start, and the peak is this attempt's growth since fit start
+        # (a SLURM requeue after the last checkpoint died on the missing base, 2026-11-30).
+        self.base_rss = _status_mib("VmRSS")
 
     def mark(self, point: str) -> None:
         t0 = float(os.environ.get("ZS_JOB_T0", "nan"))

@@ -384,6 +384,55 @@ def test_progress_bar_titles_a_step_limited_run_without_a_negative_epoch_total(
     assert bar.titles and set(bar.titles) == {title}
 
 
+def test_a_job_resumed_after_its_last_step_reports_its_peak(tmp_path: Path) -> None:
+    """A job requeued after it saved its last step resumes at max_steps and trains nothing:
+    Lightning skips on_train_start, where the peak's base was taken, and the job's record
+    failed (AttributeError: 'JobMetrics' object has no attribute 'base_rss'; SLURM test,
+    2026-11-30). The resume is a real Lightning fit."""
+    import lightning as L
+    from omegaconf import OmegaConf
+    from torch.utils.data import DataLoader
+
+    from recipes.metrics import JobMetrics
+    from tests.support.models import MLP
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = MLP()
+
+        def training_step(self, batch: torch.Tensor, _: int) -> torch.Tensor:
+            return self.net(batch).square().mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Started(L.Callback):
+        calls: list[str] = []
+
+        def on_train_start(self, *_: object) -> None:
+            self.calls.append("train_start")
+
+    def fit(ckpt: Path | None) -> tuple[L.Trainer, JobMetrics]:
+        # what the record reads of the job's config (the activation formula's inputs)
+        cfg = OmegaConf.create({"model": {"name": "mlp", "seq_len": 16},
+                                "data": {"batch_size": 2}})
+        metrics = JobMetrics(cfg=cfg, out=tmp_path / "metrics.json")
+        trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, max_steps=2,
+                            enable_checkpointing=False, enable_model_summary=False,
+                            enable_progress_bar=False, callbacks=[Started(), metrics])
+        trainer.fit(Module(), DataLoader(torch.randn(4, 16), batch_size=2), ckpt_path=ckpt)
+        return trainer, metrics
+
+    trainer, _ = fit(None)
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    Started.calls.clear()
+    resumed, metrics = fit(tmp_path / "last.ckpt")
+    assert resumed.global_step == 2 and Started.calls == [], "the resume trained: no premise"
+    record = metrics._rank_record(resumed, resumed.lightning_module)
+    assert 0 <= record["peak_rss_mib"] < 1024, record["peak_rss_mib"]
+
+
 def test_a_job_prints_lightnings_log_lines_once_and_no_tip() -> None:
     """In a worker, Lightning keeps a console handler of its own (imported before logging was
     configured) while Hydra's root handler also gets its records: each line came twice."""
