@@ -345,26 +345,12 @@ def test_bytes_per_step_leave_out_only_what_was_counted() -> None:
     assert metrics._comm_per_step(trainer, 2)[0] == 1000
 
 
-@pytest.mark.parametrize(("limits", "title"), [({"max_steps": 2}, "Epoch 0 · 2 steps"),
-                                               ({"max_epochs": 1}, "Epoch 0/0")],
-                         ids=["max_steps", "max_epochs"])
-def test_progress_bar_titles_a_step_limited_run_without_a_negative_epoch_total(
-        limits: dict, title: str) -> None:
-    """Lightning's own bar read ``Epoch 0/-2`` in a job limited by steps (README command 1).
-    The titles come from a real fit, so a Lightning that stops asking the bar for its title
-    fails here instead of the old title coming back unnoticed."""
+def _square_mlp() -> object:
+    """A LightningModule training an MLP on the square of its output (Lightning is imported
+    only by the tests that fit)."""
     import lightning as L
-    from torch.utils.data import DataLoader
 
-    from recipes.console import StepProgressBar
     from tests.support.models import MLP
-
-    class Recorded(StepProgressBar):
-        titles: list[str] = []
-
-        def _get_train_description(self, current_epoch: int) -> str:
-            self.titles.append(super()._get_train_description(current_epoch).strip())
-            return self.titles[-1]
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
@@ -377,10 +363,33 @@ def test_progress_bar_titles_a_step_limited_run_without_a_negative_epoch_total(
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
+    return Module()
+
+
+@pytest.mark.parametrize(("limits", "title"), [({"max_steps": 2}, "Epoch 0 · 2 steps"),
+                                               ({"max_epochs": 1}, "Epoch 0/0")],
+                         ids=["max_steps", "max_epochs"])
+def test_progress_bar_titles_a_step_limited_run_without_a_negative_epoch_total(
+        limits: dict, title: str) -> None:
+    """Lightning's own bar read ``Epoch 0/-2`` in a job limited by steps (README command 1).
+    The titles come from a real fit, so a Lightning that stops asking the bar for its title
+    fails here instead of the old title coming back unnoticed."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from recipes.console import StepProgressBar
+
+    class Recorded(StepProgressBar):
+        titles: list[str] = []
+
+        def _get_train_description(self, current_epoch: int) -> str:
+            self.titles.append(super()._get_train_description(current_epoch).strip())
+            return self.titles[-1]
+
     bar = Recorded()
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_model_summary=False, callbacks=[bar], **limits)
-    trainer.fit(Module(), DataLoader(torch.randn(4, 16), batch_size=2))
+    trainer.fit(_square_mlp(), DataLoader(torch.randn(4, 16), batch_size=2))
     assert bar.titles and set(bar.titles) == {title}
 
 
@@ -394,18 +403,6 @@ def test_a_job_resumed_after_its_last_step_reports_its_peak(tmp_path: Path) -> N
     from torch.utils.data import DataLoader
 
     from recipes.metrics import JobMetrics
-    from tests.support.models import MLP
-
-    class Module(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = MLP()
-
-        def training_step(self, batch: torch.Tensor, _: int) -> torch.Tensor:
-            return self.net(batch).square().mean()
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.1)
 
     class Started(L.Callback):
         calls: list[str] = []
@@ -421,7 +418,7 @@ def test_a_job_resumed_after_its_last_step_reports_its_peak(tmp_path: Path) -> N
         trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, max_steps=2,
                             enable_checkpointing=False, enable_model_summary=False,
                             enable_progress_bar=False, callbacks=[Started(), metrics])
-        trainer.fit(Module(), DataLoader(torch.randn(4, 16), batch_size=2), ckpt_path=ckpt)
+        trainer.fit(_square_mlp(), DataLoader(torch.randn(4, 16), batch_size=2), ckpt_path=ckpt)
         return trainer, metrics
 
     trainer, _ = fit(None)
