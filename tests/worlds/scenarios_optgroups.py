@@ -68,10 +68,12 @@ def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         opt, [lambda k, g=g: 0.8 ** (k * (g + 1)) for g in range(len(opt.param_groups))])
 
 
-def ref_step(ref: nn.Module, opt: torch.optim.Optimizer, data: list[dict]) -> None:
+def ref_step(ref: nn.Module, opt: torch.optim.Optimizer | list[torch.optim.Optimizer],
+             data: list[dict]) -> None:
     (sum(loss_plain(ref, ref, b) for b in data) / len(data)).backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    for each in opt if isinstance(opt, list) else [opt]:
+        each.step()
+        each.zero_grad(set_to_none=True)
 
 
 def engine_step(engine: zs.ZeroEngine, data: list[dict]) -> None:
@@ -191,10 +193,7 @@ def last_of_two_grows(stage: int) -> dict[str, Any]:
                 m.head.requires_grad_(True)
                 last.add_param_group({"params": list(m.head.parameters()), "lr": 0.05})
         data = batches(gen, WORLD)
-        (sum(loss_plain(ref, ref, b) for b in data) / len(data)).backward()
-        for opt in ref_opts:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        ref_step(ref, ref_opts, data)
         engine_step(engine, data)
     ours, theirs = engine.full_state_dict(), ref.state_dict()
     return {"bit_equal": all(torch.equal(ours[k], v) for k, v in theirs.items()),
@@ -235,6 +234,7 @@ def grown_in_place(stage: int) -> dict[str, Any]:
 
 LATE_TO_OWNERS = ("emb.weight", "blk2.lin.weight", "blk2.lin.bias", "mix.weight", "head.weight",
                   "head.bias")
+"""Six parameters unfrozen after the engine is built, in model order (a refusal lists five)."""
 
 
 def owner_placed(stage: int) -> dict[str, Any]:
@@ -318,8 +318,7 @@ def refusals(stage: int) -> dict[str, str]:
     # and names the optimizer of the first it lists (emb.weight to SGD 0, the rest to SGD 1)
     torch.manual_seed(0)
     model = Net()
-    late = [model.emb.weight, *model.blk2.parameters(), model.mix.weight,
-            *model.head.parameters()]
+    late = [model.get_parameter(n) for n in LATE_TO_OWNERS]
     for q in late:
         q.requires_grad_(False)
     sgds = [torch.optim.SGD([{"params": [model.blk.lin.weight]}], lr=0.1),
